@@ -1,0 +1,60 @@
+"""The rank harness reports results, every rank's traceback, dead ranks and hangs."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mini_ddp import RanksFailed, run_ranks
+
+
+def _sum_ranks(ctx):
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_rank1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom on rank 1")
+    return ctx.rank
+
+
+def _hang_on_rank0(ctx):
+    if ctx.rank == 0:
+        while True:
+            time.sleep(0.1)
+    return ctx.rank
+
+
+def _die_on_rank2(ctx):
+    if ctx.rank == 2:
+        os._exit(7)
+    return ctx.rank
+
+
+def test_results_come_back_in_rank_order():
+    assert run_ranks(_sum_ranks, 3, timeout_s=60) == [3.0, 3.0, 3.0]
+
+
+def test_a_raising_rank_is_reported_with_its_traceback():
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(_raise_on_rank1, 2, timeout_s=60)
+    assert set(err.value.failures) == {1}
+    assert "boom on rank 1" in err.value.failures[1]
+
+
+def test_a_hang_becomes_a_failure_with_the_stack():
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(_hang_on_rank0, 2, timeout_s=8)
+    assert time.monotonic() - start < 30
+    assert "_hang_on_rank0" in err.value.failures[0]
+
+
+def test_a_dead_rank_is_named_with_its_exit_code():
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(_die_on_rank2, 3, timeout_s=60)
+    assert "exit code 7" in err.value.failures[2]
