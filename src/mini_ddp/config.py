@@ -1,0 +1,85 @@
+"""Every knob of DataParallelModel in one dataclass, each with what it means and why."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from mini_ddp.buckets import DEFAULT_BUCKET_CAP_MB, MIB
+
+
+@dataclass
+class DataParallelConfig:
+    """How gradients are bucketed, synchronised and checked. Defaults are torch DDP's."""
+
+    bucket_cap_mb: float | None = None
+    """Bucket size cap in MiB (DDP calls it MB). ``None`` means DDP's default of 25 MiB *and*
+    a small first bucket (``first_bucket_bytes``) after the rebuild; an explicit value uses
+    that cap for every bucket, the first included."""
+
+    first_bucket_bytes: int | None = None
+    """Cap of the first bucket after the rebuild. ``None`` reads DDP's module-level
+    ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) when ``bucket_cap_mb`` is
+    ``None``, else equals the cap — exactly how DDP chooses it."""
+
+    find_unused_parameters: bool = False
+    """Walk the autograd graph from the forward outputs each step and treat parameters it
+    cannot reach as ready (with zero gradients). Costs a graph walk per step; parameters that no
+    rank used keep their ``.grad`` untouched. Disables the bucket rebuild, as in DDP."""
+
+    gradient_as_bucket_view: bool = False
+    """Leave ``param.grad`` as a view into its bucket after the step instead of copying the
+    result out: saves one gradient-sized copy and the memory of separate ``.grad`` tensors."""
+
+    static_graph: bool = False
+    """Promise that the same parameters get gradients, the same number of times, every
+    iteration. Iteration 1 reduces everything after backward and records the pattern; later
+    iterations may fire a parameter's hook several times (activation checkpointing)."""
+
+    init_sync: bool = True
+    """At construction, verify all ranks hold the same parameters and broadcast rank 0's
+    parameters (and buffers, see ``init_sync_buffers``)."""
+
+    init_sync_buffers: bool = True
+    """Include buffers in the initial broadcast (DDP: follows ``broadcast_buffers``)."""
+
+    forward_sync_buffers: bool = True
+    """Broadcast rank 0's buffers (BatchNorm statistics, …) before each forward that runs with
+    grad enabled — except right after a forward under ``no_grad`` or ``no_sync()``, as DDP."""
+
+    sync_timeout_s: float | None = 300.0
+    """How long the end of backward waits for one bucket's collective before raising
+    :class:`mini_ddp.errors.GradSyncTimeout` naming the bucket (``None``: wait forever).
+    torch DDP has no such bound; it waits for the process group's timeout (30 min)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"mini_ddp: bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if self.first_bucket_bytes is None:
+            self.first_bucket_bytes = (dist._DEFAULT_FIRST_BUCKET_BYTES
+                                       if self.bucket_cap_mb is None else self.bucket_bytes_cap)
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes (DDP truncates MiB × 2**20 to an integer)."""
+        cap = DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb
+        return int(cap * MIB)
+
+    def initial_size_limits(self) -> list[int]:
+        """Caps for iteration 1's layout, over the parameters' definition order.
+
+        Without unused-parameter search (or with a static graph) DDP puts everything of one
+        dtype/device into a single bucket: definition order is not backward order, and a wrong
+        early launch could deadlock against other collectives. The rebuild fixes the layout.
+        """
+        if self.static_graph or not self.find_unused_parameters:
+            return [sys.maxsize]
+        if self.first_bucket_bytes < self.bucket_bytes_cap:
+            return [self.first_bucket_bytes, self.bucket_bytes_cap]
+        return [self.bucket_bytes_cap]
+
+    def rebuild_size_limits(self) -> list[int]:
+        """Caps for the one-time rebuild over gradient-ready order: [first bucket, cap]."""
+        return [self.first_bucket_bytes, self.bucket_bytes_cap]

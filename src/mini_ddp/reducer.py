@@ -1,0 +1,368 @@
+"""The reducer: from one parameter's gradient hook to the all-reduce and back into ``.grad``.
+
+Follow one gradient through a step:
+
+1. :meth:`Reducer._on_grad_accumulated` — a post-hook on the parameter's ``AccumulateGrad``
+   node fires once autograd has written ``param.grad``. It calls :meth:`_mark_ready`.
+2. :meth:`_mark_ready` copies the gradient into its bucket view, *multiplied* by
+   ``1/world_size`` (DDP's exact arithmetic, see :meth:`_copy_grad_into_bucket`), and counts the
+   bucket down. A full bucket is launched as soon as every earlier bucket has been
+   (:meth:`start_grad_sync`): always in bucket order, so every rank issues the same collectives
+   in the same order.
+3. The launch goes through the comm-hook door (:mod:`mini_ddp.hooks`); the future is kept.
+4. When the last bucket has launched, :meth:`finish_grad_sync` is queued on the autograd engine.
+   It runs when backward ends, waits for every bucket in :meth:`_wait` (the only place that
+   blocks, with a deadline), and writes the results back into ``param.grad``.
+
+The bookkeeping mirrors torch's C++ reducer (``reducer.cpp``) wherever it changes a value or an
+error: unused-parameter handling, the one-time bucket rebuild, static graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from mini_ddp import buckets as bucketing
+from mini_ddp.config import DataParallelConfig
+from mini_ddp.errors import GradSyncTimeout, MarkedTwiceError, UnfinishedReductionError
+from mini_ddp.hooks import CommHook, GradBucket, allreduce_sum_hook, result_tensor
+
+logger = logging.getLogger("mini_ddp")
+
+
+def _grad_accumulator(param: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node autograd uses for ``param`` (kept alive by the reducer)."""
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class Reducer:
+    """Buckets, hooks and the per-step state machine of gradient synchronisation."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 group: dist.ProcessGroup | None, config: DataParallelConfig):
+        self.params = list(params)
+        self.names = list(names)
+        self.group = group
+        self.config = config
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.div_factor = self.world_size  # what gradients are averaged over (join may change it)
+        self.comm_hook: CommHook | None = None
+        self.comm_hook_state: Any = None
+        self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
+        self.on_stall: Callable[[Reducer, bucketing.Bucket], None] | None = None
+        device = self.params[0].device
+
+        # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
+        # (then DDP applies the size caps over the definition order). The list is reversed so
+        # the last-defined parameters, whose gradients come first, are in bucket 0.
+        n = len(self.params)
+        limits = config.initial_size_limits()
+        self._install_buckets(list(reversed(bucketing.assign_buckets(self.params, limits))))
+
+        self.num_iterations = 0          # synced forwards so far
+        self.expect_hooks = False        # a synced backward is expected
+        self.require_finalize = False    # some gradient was marked ready and not yet finished
+        self.ready: set[int] = set()     # parameters marked ready this iteration
+        self.unused: list[int] = []      # parameters found unused (marked ready at first hook)
+        self.marked_unused = False
+        self.local_used = torch.zeros(n, dtype=torch.int32, device=device)
+        self.global_used: torch.Tensor | None = None
+        self._global_used_future: torch.futures.Future | None = None
+        self.has_rebuilt = False
+        self.rebuild_order: list[int] = []
+        self.static_hook_counts = [0] * n   # hooks per parameter in iteration 1 (static graph)
+        self.static_hooks_left = [0] * n
+        self._lock = threading.Lock()
+
+        # Hooks go on the AccumulateGrad nodes, not on the tensors: such a post-hook fires even
+        # when the incoming gradient is undefined (an output unused in the loss), which is how
+        # DDP tells "used but got no gradient" apart from "never reached".
+        self._accumulators = [_grad_accumulator(p) for p in self.params]
+        me = weakref.ref(self)  # the nodes outlive nothing, but avoid a cycle through C++
+        for index, acc in enumerate(self._accumulators):
+            acc.register_hook(functools.partial(_hook_trampoline, me, index))
+
+    # ---- layout --------------------------------------------------------------------------
+    def _install_buckets(self, layout: list[list[int]]) -> None:
+        self.buckets, self.locator = bucketing.build_buckets(layout, self.params)
+        if self.config.gradient_as_bucket_view:
+            # Gradients that already exist move into the new buffers (DDP does the same when
+            # it rebuilds), so ``.grad`` is a bucket view from now on.
+            for bucket in self.buckets:
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    if p.grad is not None and not _shares_storage(p.grad, bucket.buffer):
+                        view.copy_(p.grad)
+                        p.grad = view
+        logger.info("mini_ddp rank %d bucket layout (%d buckets):\n%s", self.rank,
+                    len(self.buckets), bucketing.describe_layout(self.buckets, self.names))
+
+    def should_rebuild(self) -> bool:
+        """DDP rebuilds once, in gradient-ready order, unless it searches for unused params."""
+        return ((self.config.static_graph or not self.config.find_unused_parameters)
+                and not self.has_rebuilt)
+
+    def rebuild_buckets_if_needed(self) -> bool:
+        """Before a forward: check the last backward finished; rebuild buckets once."""
+        self.ensure_prior_reduction_finished()
+        if not self.should_rebuild() or not self.rebuild_order:
+            return False
+        layout = bucketing.assign_buckets(self.params, self.config.rebuild_size_limits(),
+                                          order=self.rebuild_order)
+        layout = bucketing.agree_on_layout(layout, self.group, self.local_used.device)
+        self.has_rebuilt = True
+        self.rebuild_order = []
+        self._install_buckets(layout)
+        return True
+
+    # ---- per-step state ------------------------------------------------------------------
+    def static_first_iteration(self) -> bool:
+        return self.config.static_graph and self.num_iterations == 1
+
+    def _dynamic_find_unused(self) -> bool:
+        return self.config.find_unused_parameters and not self.config.static_graph
+
+    def prepare_for_forward(self) -> None:
+        """Count a synced forward (static graphs behave differently in iteration 1)."""
+        self.num_iterations += 1
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Arm the hooks for the backward of this forward's ``outputs``."""
+        self.expect_hooks = True
+        self.next_bucket = 0
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.param_indices)
+            bucket.future = None
+        if self.config.static_graph:
+            self.static_hooks_left = list(self.static_hook_counts)
+        self.marked_unused = False
+        self.ready.clear()
+        if self._dynamic_find_unused():
+            self.unused = self._search_unused(outputs)
+
+    def _search_unused(self, outputs: Sequence[torch.Tensor]) -> list[int]:
+        """Parameters whose AccumulateGrad node is unreachable from ``outputs``' graph."""
+        seen: set = set()
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            for next_node, _ in node.next_functions:
+                if next_node is not None and next_node not in seen:
+                    seen.add(next_node)
+                    stack.append(next_node)
+        return [i for i, acc in enumerate(self._accumulators) if acc not in seen]
+
+    def ensure_prior_reduction_finished(self) -> None:
+        """Raise, naming the parameters, if the last backward left gradients unreduced."""
+        if not self.require_finalize:
+            return
+        missing = [i for i in range(len(self.params)) if i not in self.ready]
+        raise UnfinishedReductionError(self.rank, [self.names[i] for i in missing], missing)
+
+    # ---- 1. hook -------------------------------------------------------------------------
+    def _on_grad_accumulated(self, index: int) -> None:
+        if not self.expect_hooks:
+            return  # no_sync(), or a backward DDP was not asked to synchronise
+        with self._lock:
+            if self.trace is not None:
+                self.trace.record("hook", param=index)
+            if (self._dynamic_find_unused() or self.static_first_iteration()) \
+                    and self.params[index].grad is not None:
+                self.local_used[index] = 1
+            if self.static_first_iteration():
+                self.static_hook_counts[index] += 1  # all reducing waits for delay_all_reduce
+                return
+            if not self.marked_unused:
+                self.marked_unused = True
+                for unused_index in self.unused:
+                    self._mark_ready(unused_index)
+            if self.config.static_graph:
+                if self.static_hooks_left[index] == 0:
+                    raise RuntimeError(
+                        f"mini_ddp: parameter '{self.names[index]}' received a gradient it did "
+                        f"not receive in iteration 1, or more often: the training graph changed, "
+                        f"which static_graph=True does not allow.")
+                self.static_hooks_left[index] -= 1
+                if self.static_hooks_left[index] > 0:
+                    return  # hooks fire several times (e.g. checkpointing): wait for the last
+            if self.should_rebuild():
+                self.rebuild_order.append(index)
+            self._mark_ready(index)
+
+    # ---- 2. into the bucket --------------------------------------------------------------
+    def _mark_ready(self, index: int) -> None:
+        if index in self.ready:
+            raise MarkedTwiceError(self.rank, self.names[index], index)
+        self.ready.add(index)
+        self.require_finalize = True
+        bucket_index, position = self.locator[index]
+        bucket = self.buckets[bucket_index]
+        self._copy_grad_into_bucket(bucket, position)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            if self.trace is not None:
+                self.trace.record("bucket_ready", bucket=bucket_index)
+            self.start_grad_sync(bucket_index)
+        if self.next_bucket == len(self.buckets):
+            if self._dynamic_find_unused():
+                self._launch_used_map_reduce()
+            Variable._execution_engine.queue_callback(self.finish_grad_sync)
+
+    def _copy_grad_into_bucket(self, bucket: bucketing.Bucket, position: int) -> None:
+        param, view = bucket.params[position], bucket.views[position]
+        grad = param.grad
+        if grad is None:
+            view.zero_()  # marked ready without a gradient: contribute zeros
+            return
+        if _shares_storage(grad, bucket.buffer):
+            # The gradient already *is* the bucket view (gradient_as_bucket_view): DDP divides
+            # in place here — a true division, not the multiplication below.
+            if self.comm_hook is None:
+                view.div_(self.div_factor)
+            return
+        if self.comm_hook is not None:
+            view.copy_(grad)  # a user hook does its own averaging
+        elif grad.requires_grad:  # create_graph=True: the copy must not join the graph
+            view.copy_(torch.mul(grad.detach(), 1.0 / self.div_factor))
+        else:
+            # DDP multiplies by 1/world_size while copying (mul_out with a double scalar).
+            # x * (1/3) differs from x / 3 in about a third of fp32 values: this line is
+            # where bitwise parity is won.
+            torch.mul(grad, 1.0 / self.div_factor, out=view)
+        if self.config.gradient_as_bucket_view:
+            param.grad = view
+
+    # ---- 3. launch -----------------------------------------------------------------------
+    def start_grad_sync(self, bucket_index: int) -> None:
+        """Launch every ready bucket from ``next_bucket`` on, strictly in bucket order."""
+        if bucket_index > self.next_bucket:
+            return
+        while self.next_bucket < len(self.buckets) \
+                and self.buckets[self.next_bucket].pending == 0:
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def _launch(self, bucket: bucketing.Bucket) -> None:
+        grad_bucket = GradBucket(bucket.index, bucket.index == len(self.buckets) - 1,
+                                 bucket.buffer, bucket.params, bucket.offsets)
+        bucket.grad_bucket = grad_bucket
+        if self.trace is not None:
+            self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
+        if self.comm_hook is None:
+            bucket.future = allreduce_sum_hook(self.group, grad_bucket)
+        else:
+            bucket.future = self.comm_hook(self.comm_hook_state, grad_bucket)
+            if not isinstance(bucket.future, torch.futures.Future):
+                raise TypeError(f"mini_ddp: communication hook "
+                                f"{getattr(self.comm_hook, '__qualname__', self.comm_hook)} "
+                                f"must return a torch.futures.Future, got "
+                                f"{type(bucket.future).__name__}")
+
+    def _launch_used_map_reduce(self) -> None:
+        self._global_used = self.local_used.clone()
+        work = dist.all_reduce(self._global_used, group=self.group, async_op=True)
+        self._global_used_future = work.get_future()
+        self.global_used = None
+
+    # ---- 4. wait and write back ----------------------------------------------------------
+    def _wait(self, future: torch.futures.Future, bucket: bucketing.Bucket | None) -> Any:
+        """The one place that blocks: wait for ``future`` with the configured deadline."""
+        if not future.done():
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+            if not done.wait(self.config.sync_timeout_s):
+                if self.on_stall is not None and bucket is not None:
+                    self.on_stall(self, bucket)
+                raise GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket,
+                                      self.names, len(self.buckets))
+        return future.wait()
+
+    def _globally_unused(self, index: int) -> bool:
+        if self.local_used[index] != 0:
+            return False
+        if self.global_used is None and self._global_used_future is not None:
+            self._wait(self._global_used_future, None)
+            self.global_used = self._global_used
+        return self.global_used is not None and bool(self.global_used[index] == 0)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket, then put the averaged gradients into ``param.grad``."""
+        with self._lock:
+            self.expect_hooks = False
+            self.require_finalize = False
+            if self.config.static_graph and self.num_iterations > 1 and self.should_rebuild():
+                self.rebuild_order.extend(self.unused)
+            track_unused = self.config.static_graph or self.config.find_unused_parameters
+            for bucket in self.buckets:
+                value = self._wait(bucket.future, bucket)
+                result = result_tensor(value, self.comm_hook, bucket.grad_bucket)
+                if self.trace is not None:
+                    self.trace.record("complete", bucket=bucket.index)
+                for param, index, view_in, view_out in zip(
+                        bucket.params, bucket.param_indices, bucket.views,
+                        bucket.views_of(result), strict=True):
+                    if track_unused and self._globally_unused(index):
+                        continue  # nobody used it: leave .grad untouched (None stays None)
+                    self._write_back(param, view_in, view_out)
+            if self._global_used_future is not None and self.global_used is None:
+                self._wait(self._global_used_future, None)
+                self.global_used = self._global_used
+            if self._dynamic_find_unused():
+                self.local_used.zero_()
+                self.global_used, self._global_used_future = None, None
+            if self.trace is not None:
+                self.trace.record("finalized")
+
+    def _write_back(self, param: torch.Tensor, view_in: torch.Tensor,
+                    view_out: torch.Tensor) -> None:
+        if self.config.gradient_as_bucket_view:
+            if view_out is not view_in:
+                view_in.copy_(view_out)  # a hook returned a new tensor
+            if param.grad is None:
+                param.grad = view_in
+            return
+        if param.grad is None:
+            # A fresh gradient with the parameter's own strides (autograd's layout contract).
+            grad = torch.empty_strided(param.size(), param.stride(), dtype=param.dtype,
+                                       device=param.device)
+            param.grad = grad.copy_(view_out)
+        else:
+            param.grad.copy_(view_out)
+
+    # ---- static graph, iteration 1 -------------------------------------------------------
+    def delay_all_reduce(self) -> None:
+        """Static graph, first iteration: reduce everything once backward has finished.
+
+        In iteration 1 the hooks only count how often each parameter's gradient arrives; this
+        (queued by the output sink) then copies every gradient in and reduces all buckets.
+        """
+        with self._lock:
+            self._launch_used_map_reduce()
+            self.unused = [i for i, c in enumerate(self.static_hook_counts) if c == 0]
+            self.require_finalize = True
+            for bucket in self.buckets:
+                for position in range(len(bucket.params)):
+                    self._copy_grad_into_bucket(bucket, position)
+            for bucket in self.buckets:
+                self._launch(bucket)
+            self.next_bucket = len(self.buckets)
+        self.finish_grad_sync()
+
+
+def _hook_trampoline(reducer_ref: weakref.ref, index: int, *_grads: Any) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._on_grad_accumulated(index)
