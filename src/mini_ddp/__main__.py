@@ -1,0 +1,8 @@
+"""``python -m mini_ddp``: see :mod:`mini_ddp.cli`."""
+
+import sys
+
+from mini_ddp.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
