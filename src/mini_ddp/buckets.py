@@ -174,12 +174,20 @@ def build_buckets(layout: list[list[int]], params: Sequence[torch.Tensor]
     return buckets, locator
 
 
-def describe_layout(buckets: Sequence[Bucket], names: Sequence[str]) -> str:
-    """A short human-readable table of a bucket layout, for the start-up log."""
-    lines = []
+def describe_layout(buckets: Sequence[Bucket], names: Sequence[str],
+                    max_names: int | None = 6) -> str:
+    """The bucket layout as a table, one row per bucket (start-up log and ``explain``).
+
+    Buckets launch strictly in index order — each waits until every earlier one has launched —
+    so the bucket index *is* the launch order. Names are in buffer order; ``max_names`` cuts
+    long lists (``None``: all).
+    """
+    lines = ["  bucket  dtype       device        bytes  params  parameters (in buffer order)"]
     for b in buckets:
-        shown = ", ".join(names[i] for i in b.param_indices[:4])
-        more = f", … (+{len(b.param_indices) - 4})" if len(b.param_indices) > 4 else ""
-        lines.append(f"  bucket {b.index}: {b.buffer.dtype} {b.nbytes / MIB:.3f} MiB, "
-                     f"{len(b.param_indices)} params [{shown}{more}]")
+        shown = [names[i] for i in b.param_indices]
+        if max_names is not None and len(shown) > max_names:
+            shown = shown[:max_names] + [f"… (+{len(shown) - max_names})"]
+        dtype = str(b.buffer.dtype).replace("torch.", "")
+        lines.append(f"  {b.index:>6}  {dtype:<10}  {str(b.buffer.device):<6}  {b.nbytes:>11,}"
+                     f"  {len(b.param_indices):>6}  {', '.join(shown)}")
     return "\n".join(lines)

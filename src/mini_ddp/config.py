@@ -83,3 +83,24 @@ class DataParallelConfig:
     def rebuild_size_limits(self) -> list[int]:
         """Caps for the one-time rebuild over gradient-ready order: [first bucket, cap]."""
         return [self.first_bucket_bytes, self.bucket_bytes_cap]
+
+    def layout_reason(self, rebuilt: bool) -> str:
+        """Why the bucket layout is what it is, in one line (start-up log, ``explain``)."""
+        caps = (f"cap {_mib(self.bucket_bytes_cap)}" if self.first_bucket_bytes
+                == self.bucket_bytes_cap else f"first bucket cap "
+                f"{_mib(self.first_bucket_bytes)}, then {_mib(self.bucket_bytes_cap)}")
+        if rebuilt:
+            when = "iteration 2" if self.static_graph else "iteration 1"
+            return (f"rebuilt once, in the order gradients became ready in {when}'s backward "
+                    f"(rank 0's order, broadcast to all ranks), {caps}")
+        if self.static_graph or not self.find_unused_parameters:
+            flag = "static_graph=True" if self.static_graph else "find_unused_parameters=False"
+            return (f"iteration 1: one bucket per dtype/device, no size cap ({flag}: DDP does "
+                    f"not cut buckets before it has seen the gradient-ready order; rebuilt "
+                    f"before the {'third' if self.static_graph else 'second'} forward)")
+        return (f"definition order, last parameters first, {caps} "
+                f"(find_unused_parameters=True: never rebuilt)")
+
+
+def _mib(nbytes: int | None) -> str:
+    return f"{(nbytes or 0) / MIB:g} MiB ({nbytes:,} bytes)"

@@ -63,7 +63,12 @@ class Reducer:
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
         self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
-        self.on_stall: Callable[[Reducer, bucketing.Bucket], None] | None = None
+        # The stall watchdog (mini_ddp.watchdog): on_stall(reducer, bucket, error) is called
+        # once a wait passes stall_after_s (error None) and when a collective fails.
+        self.on_stall: Callable[[Reducer, bucketing.Bucket | None, BaseException | None],
+                                None] | None = None
+        self.stall_after_s: float | None = None
+        self.layout_history: list[list[list[int]]] = []  # every layout installed, oldest first
         device = self.params[0].device
 
         # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
@@ -97,8 +102,9 @@ class Reducer:
             acc.register_hook(functools.partial(_hook_trampoline, me, index))
 
     # ---- layout --------------------------------------------------------------------------
-    def _install_buckets(self, layout: list[list[int]]) -> None:
+    def _install_buckets(self, layout: list[list[int]], rebuilt: bool = False) -> None:
         self.buckets, self.locator = bucketing.build_buckets(layout, self.params)
+        self.layout_history.append([list(indices) for indices in layout])
         if self.config.gradient_as_bucket_view:
             # Gradients that already exist move into the new buffers (DDP does the same when
             # it rebuilds), so ``.grad`` is a bucket view from now on.
@@ -107,8 +113,9 @@ class Reducer:
                     if p.grad is not None and not _shares_storage(p.grad, bucket.buffer):
                         view.copy_(p.grad)
                         p.grad = view
-        logger.info("mini_ddp rank %d bucket layout (%d buckets):\n%s", self.rank,
-                    len(self.buckets), bucketing.describe_layout(self.buckets, self.names))
+        logger.info("mini_ddp rank %d bucket layout, %s:\n%s", self.rank,
+                    self.config.layout_reason(rebuilt),
+                    bucketing.describe_layout(self.buckets, self.names))
 
     def should_rebuild(self) -> bool:
         """DDP rebuilds once, in gradient-ready order, unless it searches for unused params."""
@@ -125,7 +132,7 @@ class Reducer:
         layout = bucketing.agree_on_layout(layout, self.group, self.local_used.device)
         self.has_rebuilt = True
         self.rebuild_order = []
-        self._install_buckets(layout)
+        self._install_buckets(layout, rebuilt=True)
         return True
 
     # ---- per-step state ------------------------------------------------------------------
@@ -270,6 +277,8 @@ class Reducer:
                                 f"{getattr(self.comm_hook, '__qualname__', self.comm_hook)} "
                                 f"must return a torch.futures.Future, got "
                                 f"{type(bucket.future).__name__}")
+        if self.trace is not None:  # lets a recorder log when the collective really ends
+            self.trace.record("launched", bucket=bucket.index, future=bucket.future)
 
     def _launch_used_map_reduce(self) -> None:
         self._global_used = self.local_used.clone()
@@ -283,11 +292,17 @@ class Reducer:
         if not future.done():
             done = threading.Event()
             future.add_done_callback(lambda _: done.set())
+            if self.on_stall is not None and self.stall_after_s is not None \
+                    and not done.wait(self.stall_after_s):
+                self.on_stall(self, bucket, None)  # reports the stall; raises, or we wait on
             if not done.wait(self.config.sync_timeout_s):
-                if self.on_stall is not None and bucket is not None:
-                    self.on_stall(self, bucket)
                 raise GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket,
                                       self.names, len(self.buckets))
+        if self.on_stall is not None:
+            try:
+                future.wait()
+            except Exception as error:  # noqa: BLE001 - raised again by the wait below
+                self.on_stall(self, bucket, error)  # a dead peer: name it from its marks
         return future.wait()
 
     def _globally_unused(self, index: int) -> bool:
@@ -301,6 +316,8 @@ class Reducer:
     def finish_grad_sync(self) -> None:
         """Wait for every bucket, then put the averaged gradients into ``param.grad``."""
         with self._lock:
+            if self.trace is not None:
+                self.trace.record("finalize_start")  # backward's compute has ended
             self.expect_hooks = False
             self.require_finalize = False
             if self.config.static_graph and self.num_iterations > 1 and self.should_rebuild():

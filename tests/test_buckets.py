@@ -1,0 +1,94 @@
+"""Bucket assignment is torch's, and bucket views are real views. No processes needed."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mini_ddp.buckets import Bucket, assign_buckets, build_buckets
+from mini_ddp.config import DataParallelConfig
+
+DTYPES = [torch.float32, torch.float64, torch.float16]
+
+
+def _random_params(rng: random.Random, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    return [torch.empty(rng.randint(1, 3000), dtype=rng.choice(dtypes))
+            for _ in range(rng.randint(1, 14))]
+
+
+LIMITS = [[sys.maxsize], [1000], [1024, 4096], [2000, 8000, 16000], [1, 10**9]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_definition_order_layout_equals_torch(seed):
+    rng = random.Random(seed)
+    params = _random_params(rng, DTYPES)
+    limits = rng.choice(LIMITS)
+    expected, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
+    assert assign_buckets(params, limits) == [list(b) for b in expected]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ready_order_layout_equals_torch_for_one_dtype(seed):
+    rng = random.Random(seed)
+    params = _random_params(rng, [torch.float32])
+    order = list(range(len(params)))
+    rng.shuffle(order)
+    limits = rng.choice(LIMITS)
+    # torch takes the tensors already in ready order, plus their original indices.
+    expected, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in order], limits, [False] * len(params), order)
+    assert assign_buckets(params, limits, order) == [list(b) for b in expected]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ready_order_layout_with_mixed_dtypes_has_torchs_buckets(seed):
+    """With several dtypes, torch appends the still-open buckets in hash-map order; every
+    bucket's *contents* (which decide the numerics) are the same, only whole buckets may swap."""
+    rng = random.Random(seed)
+    params = _random_params(rng, DTYPES)
+    order = list(range(len(params)))
+    rng.shuffle(order)
+    limits = rng.choice(LIMITS)
+    expected, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in order], limits, [False] * len(params), order)
+    ours = assign_buckets(params, limits, order)
+    assert sorted(ours) == sorted(list(b) for b in expected)
+
+
+def test_a_bucket_closes_when_it_reaches_the_cap_and_may_exceed_it():
+    params = [torch.empty(100), torch.empty(200), torch.empty(50)]  # 400, 800, 200 bytes
+    assert assign_buckets(params, [500]) == [[0, 1], [2]]
+    assert assign_buckets(params, [400]) == [[0], [1], [2]]
+
+
+def test_config_limits_follow_ddp():
+    default = DataParallelConfig()
+    assert default.initial_size_limits() == [sys.maxsize]
+    assert default.rebuild_size_limits() == [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
+    explicit = DataParallelConfig(bucket_cap_mb=2, find_unused_parameters=True)
+    assert explicit.initial_size_limits() == [2 * 2**20]
+    assert explicit.rebuild_size_limits() == [2 * 2**20, 2 * 2**20]
+    unused = DataParallelConfig(find_unused_parameters=True)
+    assert unused.initial_size_limits() == [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        DataParallelConfig(bucket_cap_mb=0)
+
+
+def test_views_alias_the_flat_buffer_with_the_parameters_strides():
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    transposed = torch.nn.Parameter(torch.randn(4, 6).t())  # dense, not contiguous
+    params = [conv.weight, conv.bias, transposed]
+    buckets, locator = build_buckets([[2, 0, 1]], params)
+    (bucket,) = buckets
+    assert isinstance(bucket, Bucket) and bucket.buffer.numel() == sum(p.numel() for p in params)
+    assert locator == [(0, 1), (0, 2), (0, 0)]
+    for p, view in zip(bucket.params, bucket.views, strict=True):
+        assert view.shape == p.shape and view.stride() == p.stride()
+        assert view.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+        view.fill_(1.0)
+    assert bool((bucket.buffer == 1).all())
