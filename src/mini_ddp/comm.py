@@ -10,17 +10,20 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from mini_ddp.errors import MiniDDPError, naming_collective
+
 # DDP broadcasts module state in groups of at most 250 MiB.
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
-class ParameterMismatchError(RuntimeError):
+class ParameterMismatchError(MiniDDPError):
     """Ranks hold different parameters (count, name, shape, stride or dtype)."""
 
 
@@ -36,7 +39,9 @@ def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
     """
     mine = [_describe(n, t) for n, t in named_params]
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    with naming_collective(dist.get_rank(group), "the start-up all-gather that checks every "
+                           "rank holds the same parameters"):
+        dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         problem = _first_difference(reference, theirs, rank)
@@ -72,20 +77,36 @@ def _fmt(value: object) -> str:
 
 def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
                              group: dist.ProcessGroup | None = None,
-                             bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+                             bucket_bytes: int = BROADCAST_BUCKET_BYTES,
+                             timeout_s: float | None = None) -> None:
     """Overwrite ``tensors`` on every rank with rank ``src``'s values, in few collectives.
 
     Tensors are grouped by (dtype, device) in order, each group capped at ``bucket_bytes``,
     flattened into one tensor, broadcast, and copied back. Values are copied exactly, so the
-    grouping never changes a bit — it only saves collectives.
+    grouping never changes a bit — it only saves collectives. ``timeout_s`` bounds the wait for
+    each broadcast (None: the process group's timeout); RuntimeError when it runs out.
     """
     with torch.no_grad():
         for group_tensors in _coalesce_groups(tensors, bucket_bytes):
             flat = _flatten_dense_tensors(group_tensors)
-            dist.broadcast(flat, src=src, group=group)
+            work = dist.broadcast(flat, src=src, group=group, async_op=True)
+            _wait_bounded(work, timeout_s)
             for t, synced in zip(group_tensors,
                                  _unflatten_dense_tensors(flat, group_tensors), strict=True):
                 t.copy_(synced)
+
+
+def _wait_bounded(work: dist.Work, timeout_s: float | None) -> None:
+    if timeout_s is None:
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        if work.is_completed():
+            raise  # the collective itself failed (e.g. a peer closed its connection)
+        raise RuntimeError(f"no answer within {timeout_s} s (DataParallelModel's "
+                           "sync_timeout_s)") from err
 
 
 def _coalesce_groups(tensors: Sequence[torch.Tensor], bucket_bytes: int

@@ -5,6 +5,9 @@ Each names the culprit: the rank, the parameter names and what was being waited 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -46,15 +49,56 @@ class GradSyncTimeout(MiniDDPError):
     def __init__(self, rank: int, timeout_s: float | None, bucket: Any, names: list[str],
                  num_buckets: int):
         self.rank, self.timeout_s, self.bucket = rank, timeout_s, bucket
-        if bucket is None:
-            what = "the unused-parameter map all-reduce"
-        else:
-            shown = ", ".join(names[i] for i in bucket.param_indices[:6])
-            what = (f"the all-reduce of bucket {bucket.index} of {num_buckets} "
-                    f"({len(bucket.param_indices)} params: {shown}"
-                    f"{', …' if len(bucket.param_indices) > 6 else ''})")
+        what = describe_bucket(bucket, names, num_buckets)
         super().__init__(
             f"mini_ddp: rank {rank} waited more than {timeout_s} s for {what}. Another rank "
             "is probably dead, stuck, or skipped this bucket (a parameter that got no gradient "
             "there). Raise DataParallelModel(sync_timeout_s=...) if steps are legitimately "
             "this slow.")
+
+
+def describe_bucket(bucket: Any, names: list[str], num_buckets: int) -> str:
+    """Name the collective of ``bucket`` (None: the unused-parameter map) for an error."""
+    if bucket is None:
+        return "the unused-parameter map all-reduce"
+    shown = ", ".join(names[i] for i in bucket.param_indices[:6])
+    return (f"the all-reduce of bucket {bucket.index} of {num_buckets} "
+            f"({len(bucket.param_indices)} params: {shown}"
+            f"{', …' if len(bucket.param_indices) > 6 else ''})")
+
+
+class CollectiveError(MiniDDPError):
+    """A collective failed or timed out: most often another rank died, hung or was killed.
+
+    ``what`` names the collective (which bucket, which broadcast), ``cause`` is the backend's
+    own message (kept whole as ``__cause__``).
+    """
+
+    def __init__(self, rank: int, what: str, cause: BaseException):
+        self.rank, self.what = rank, what
+        # Gloo prefixes its source path and appends boilerplate; the middle is what happened.
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        reason = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)
+        reason = reason.split(" This is typically caused by")[0].rstrip(" .")
+        super().__init__(
+            f"mini_ddp: rank {rank}: {what} failed: {reason}. Another rank has most likely "
+            "died (killed, out of memory, crashed), hung, or lost its connection: its own log "
+            "says why. This process group cannot be used any more; restart the job (e.g. "
+            "torchrun --max-restarts=N) and resume from the last checkpoint.")
+
+
+@contextmanager
+def naming_collective(rank: int, what: str | Callable[[], str]) -> Iterator[None]:
+    """Re-raise a backend failure inside the block as :class:`CollectiveError` naming ``what``.
+
+    ``what`` may be a callable, so the hot path builds no message until something fails.
+
+    torch DDP lets the raw backend error through (for Gloo: "Connection reset by peer" and a
+    C++ source path), which says neither which collective nor which step failed.
+    """
+    try:
+        yield
+    except MiniDDPError:
+        raise
+    except RuntimeError as err:  # Gloo and NCCL raise RuntimeError (or DistError subclasses)
+        raise CollectiveError(rank, what() if callable(what) else what, err) from err

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from mini_ddp.comm import dist_broadcast_coalesced, verify_params_across_ranks
 from mini_ddp.config import DataParallelConfig
+from mini_ddp.errors import naming_collective
 from mini_ddp.hooks import CommHook, check_comm_hook
 from mini_ddp.reducer import Reducer
 
@@ -185,8 +186,10 @@ class DataParallelModel(nn.Module):
         if include_buffers:
             states += [b for n, b in self.module.named_buffers() if n not in
                        self.parameters_to_ignore]
-        dist_broadcast_coalesced(states, src=dist.get_global_rank(self.process_group, src),
-                                 group=self.process_group)
+        with naming_collective(dist.get_rank(self.process_group),
+                               "the start-up broadcast of rank 0's parameters and buffers"):
+            dist_broadcast_coalesced(states, src=dist.get_global_rank(self.process_group, src),
+                                     group=self.process_group)
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -241,9 +244,13 @@ class DataParallelModel(nn.Module):
         buffers = tuple(self._buffers_to_sync())
         # Keep version counters unchanged, as DDP does: the broadcast writes in place, and a
         # bumped counter would break a graph that saved a buffer (e.g. for double backward).
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers):
+        what = f"the broadcast of rank 0's {len(buffers)} buffers before forward"
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers), \
+                naming_collective(self.reducer.rank, what):
+            # Bounded like the gradient waits: a hung peer must not stall forward forever.
             dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, 0),
-                                     group=self.process_group)
+                                     group=self.process_group,
+                                     timeout_s=self.config.sync_timeout_s)
 
     # ---- user controls -------------------------------------------------------------------
     @contextmanager

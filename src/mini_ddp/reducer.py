@@ -33,7 +33,13 @@ from torch.autograd import Variable
 
 from mini_ddp import buckets as bucketing
 from mini_ddp.config import DataParallelConfig
-from mini_ddp.errors import GradSyncTimeout, MarkedTwiceError, UnfinishedReductionError
+from mini_ddp.errors import (
+    GradSyncTimeout,
+    MarkedTwiceError,
+    UnfinishedReductionError,
+    describe_bucket,
+    naming_collective,
+)
 from mini_ddp.hooks import CommHook, GradBucket, allreduce_sum_hook, result_tensor
 
 logger = logging.getLogger("mini_ddp")
@@ -129,7 +135,9 @@ class Reducer:
             return False
         layout = bucketing.assign_buckets(self.params, self.config.rebuild_size_limits(),
                                           order=self.rebuild_order)
-        layout = bucketing.agree_on_layout(layout, self.group, self.local_used.device)
+        with naming_collective(self.rank, "the broadcast of rank 0's rebuilt bucket layout "
+                               "(before the second forward)"):
+            layout = bucketing.agree_on_layout(layout, self.group, self.local_used.device)
         self.has_rebuilt = True
         self.rebuild_order = []
         self._install_buckets(layout, rebuilt=True)
@@ -269,10 +277,13 @@ class Reducer:
         if self.trace is not None:
             self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
         if self.comm_hook is None:
-            bucket.future = allreduce_sum_hook(self.group, grad_bucket)
+            with naming_collective(self.rank, lambda: self._describe(bucket)):
+                bucket.future = allreduce_sum_hook(self.group, grad_bucket)
         else:
             bucket.future = self.comm_hook(self.comm_hook_state, grad_bucket)
-            if not isinstance(bucket.future, torch.futures.Future):
+            # torch._C.Future, not torch.futures.Future: ``fut.then(...)`` (torch's own
+            # allreduce_hook) returns the C++ base class, which DDP accepts.
+            if not isinstance(bucket.future, torch._C.Future):
                 raise TypeError(f"mini_ddp: communication hook "
                                 f"{getattr(self.comm_hook, '__qualname__', self.comm_hook)} "
                                 f"must return a torch.futures.Future, got "
@@ -282,7 +293,8 @@ class Reducer:
 
     def _launch_used_map_reduce(self) -> None:
         self._global_used = self.local_used.clone()
-        work = dist.all_reduce(self._global_used, group=self.group, async_op=True)
+        with naming_collective(self.rank, lambda: self._describe(None)):
+            work = dist.all_reduce(self._global_used, group=self.group, async_op=True)
         self._global_used_future = work.get_future()
         self.global_used = None
 
@@ -303,7 +315,16 @@ class Reducer:
                 future.wait()
             except Exception as error:  # noqa: BLE001 - raised again by the wait below
                 self.on_stall(self, bucket, error)  # a dead peer: name it from its marks
-        return future.wait()
+        # A dead peer fails the collective (Gloo notices a closed socket at once): name it.
+        with naming_collective(self.rank, lambda: self._describe(bucket)):
+            return future.wait()
+
+    def _describe(self, bucket: bucketing.Bucket | None) -> str:
+        what = describe_bucket(bucket, self.names, len(self.buckets))
+        if bucket is not None and self.comm_hook is not None:
+            hook = getattr(self.comm_hook, "__qualname__", repr(self.comm_hook))
+            what += f" through communication hook {hook}"
+        return what
 
     def _globally_unused(self, index: int) -> bool:
         if self.local_used[index] != 0:
