@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils import _pytree as pytree
 
+from mini_ddp import join as joining
 from mini_ddp.comm import dist_broadcast_coalesced, verify_params_across_ranks
 from mini_ddp.config import DataParallelConfig
 from mini_ddp.errors import naming_collective
@@ -40,7 +42,7 @@ _UNSUPPORTED = {
 }
 
 
-class DataParallelModel(nn.Module):
+class DataParallelModel(nn.Module, Joinable):
     """Synchronise gradients of ``module`` across processes, exactly like torch DDP.
 
     Same constructor arguments, same semantics and — on the default path — the same bits as
@@ -65,6 +67,8 @@ class DataParallelModel(nn.Module):
                  forward_sync_buffers: bool | None = None, *,
                  sync_timeout_s: float | None = 300.0):
         super().__init__()
+        Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.join
+        self._divide_by_initial_world_size = True
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "mini_ddp: DataParallelModel needs torch.distributed to be initialised first. "
@@ -200,10 +204,13 @@ class DataParallelModel(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
             self.reducer.prepare_for_forward()
+        joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
         if grad_enabled and self.reducer.rebuild_buckets_if_needed():
             logger.info("mini_ddp: buckets rebuilt in gradient-ready order.")
         if self.will_sync_module_buffers():
             self._sync_buffers()
+        if self._join_config.enable:
+            joining.announce_backward_sync(self, joined=False)
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = pytree.tree_map_only(
@@ -240,15 +247,19 @@ class DataParallelModel(nn.Module):
         # Re-read every time: a module may reassign a buffer attribute.
         return (b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore)
 
-    def _sync_buffers(self) -> None:
+    def _sync_buffers(self, src: int | None = None) -> None:
+        """Broadcast buffers from group rank ``src``: 0, or under Join the highest active rank
+        (rank 0 may have joined with stale buffers; DDP agrees on a rank the same way)."""
+        if src is None:
+            src = joining.find_common_rank(self, True) if self._join_config.enable else 0
         buffers = tuple(self._buffers_to_sync())
         # Keep version counters unchanged, as DDP does: the broadcast writes in place, and a
         # bumped counter would break a graph that saved a buffer (e.g. for double backward).
-        what = f"the broadcast of rank 0's {len(buffers)} buffers before forward"
+        what = f"the broadcast of rank {src}'s {len(buffers)} buffers before forward"
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers), \
                 naming_collective(self.reducer.rank, what):
             # Bounded like the gradient waits: a hung peer must not stall forward forever.
-            dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, 0),
+            dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group,
                                      timeout_s=self.config.sync_timeout_s)
 
@@ -265,6 +276,35 @@ class DataParallelModel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs across ranks, as torch DDP's ``join``.
+
+        Ranks that run out of batches shadow the others' collectives until all are done; the
+        last rank to finish then broadcasts its model. Gradients are divided by the initial
+        world size, or by the number of ranks still training when
+        ``divide_by_initial_world_size=False``. With ``throw_on_early_termination=True`` every
+        rank raises as soon as one runs out. Equivalent to ``Join([model], ...)``; see
+        :mod:`mini_ddp.join`.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The :class:`~torch.distributed.algorithms.join.Joinable` hook (``Join`` calls it)."""
+        return joining.DataParallelJoinHook(
+            self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the join protocol's own all-reduces."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """Process group of the join protocol's own all-reduces."""
+        return self.process_group
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``.

@@ -399,6 +399,29 @@ class Reducer:
             self.next_bucket = len(self.buckets)
         self.finish_grad_sync()
 
+    # ---- uneven inputs (mini_ddp.join) ---------------------------------------------------
+    def shadow_backward(self) -> None:
+        """Stand in for a synced backward this rank does not run (it has joined).
+
+        Issues what a backward issues, in the same order — one all-reduce of zeros per bucket
+        through the comm-hook door, then the unused-parameter map — and waits, as DDP's join
+        hook does. Zeros add nothing to the other ranks' sums.
+        """
+        pending = []
+        for bucket in self.buckets:
+            zeros = GradBucket(bucket.index, bucket.index == len(self.buckets) - 1,
+                               torch.zeros_like(bucket.buffer), bucket.params, bucket.offsets)
+            pending.append((bucket, allreduce_sum_hook(self.group, zeros) if self.comm_hook
+                            is None else self.comm_hook(self.comm_hook_state, zeros)))
+        for bucket, future in pending:
+            self._wait(future, bucket)
+        if self._dynamic_find_unused():
+            self._wait(dist.all_reduce(torch.zeros_like(self.local_used), group=self.group,
+                                       async_op=True).get_future(), None)
+        if self.should_rebuild() and not self.rebuild_order:
+            # Rebuild with the others before the next forward: DDP pushes every parameter.
+            self.rebuild_order = list(range(len(self.params)))
+
 
 def _hook_trampoline(reducer_ref: weakref.ref, index: int, *_grads: Any) -> None:
     reducer = reducer_ref()
