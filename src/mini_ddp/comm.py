@@ -6,6 +6,9 @@
 * :func:`dist_broadcast_coalesced` — rank 0's parameters and buffers to everyone, with few large
   collectives: tensors grouped by dtype and device into flat groups of bounded size
   (torch's own flatten/unflatten helpers), as ``dist._broadcast_coalesced`` does for DDP.
+
+This is the inter-process level. Between the devices of *one* process (``torch.cuda.comm``:
+broadcast, reduce-add, scatter, gather) see :mod:`mini_ddp.local_comm`.
 """
 
 from __future__ import annotations
