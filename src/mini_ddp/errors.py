@@ -32,8 +32,18 @@ class UnfinishedReductionError(MiniDDPError):
 class MarkedTwiceError(MiniDDPError):
     """A parameter's gradient arrived twice in one synchronised backward."""
 
-    def __init__(self, rank: int, name: str, index: int):
+    def __init__(self, rank: int, name: str, index: int, after_sync: bool = False):
         self.rank, self.name, self.index = rank, name, index
+        if after_sync:
+            # torch DDP ignores such a gradient: it stays local and the ranks silently diverge.
+            super().__init__(
+                f"mini_ddp: parameter '{name}' (index {index}) received a gradient on rank "
+                f"{rank} after this step's gradients were already synchronised: backward() ran "
+                "a second time on the same forward (retain_graph=True), or through the inner "
+                "module without a DataParallelModel forward. That gradient would not be "
+                "averaged across ranks. Sum the losses and call backward once per forward, "
+                "or accumulate on purpose inside model.no_sync().")
+            return
         super().__init__(
             f"mini_ddp: Expected to mark a variable ready only once: parameter '{name}' "
             f"(index {index}) received a second gradient in the same backward on rank {rank}. "

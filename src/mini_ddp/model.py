@@ -222,6 +222,8 @@ class DataParallelModel(nn.Module, Joinable):
             self.reducer.prepare_for_backward(_find_tensors(output) if search else [])
         else:
             self.require_forward_param_sync = False
+            if torch.is_grad_enabled():  # no_sync(): this forward's backward is local by design
+                self.reducer.synced_this_step = False
         if (self.find_unused_parameters and not self.static_graph) or (
                 self.static_graph and not self._delay_all_reduce_enqueued):
             output = self._through_sink(output)

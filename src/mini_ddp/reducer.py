@@ -36,6 +36,7 @@ from mini_ddp.config import DataParallelConfig
 from mini_ddp.errors import (
     GradSyncTimeout,
     MarkedTwiceError,
+    MiniDDPError,
     UnfinishedReductionError,
     describe_bucket,
     naming_collective,
@@ -86,6 +87,7 @@ class Reducer:
 
         self.num_iterations = 0          # synced forwards so far
         self.expect_hooks = False        # a synced backward is expected
+        self.synced_this_step = False    # a synced backward finished; no forward since
         self.require_finalize = False    # some gradient was marked ready and not yet finished
         self.ready: set[int] = set()     # parameters marked ready this iteration
         self.unused: list[int] = []      # parameters found unused (marked ready at first hook)
@@ -157,6 +159,7 @@ class Reducer:
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
         """Arm the hooks for the backward of this forward's ``outputs``."""
         self.expect_hooks = True
+        self.synced_this_step = False
         self.next_bucket = 0
         for bucket in self.buckets:
             bucket.pending = len(bucket.param_indices)
@@ -190,6 +193,10 @@ class Reducer:
     # ---- 1. hook -------------------------------------------------------------------------
     def _on_grad_accumulated(self, index: int) -> None:
         if not self.expect_hooks:
+            if self.synced_this_step:
+                # A second backward on a synced forward: torch DDP ignores the hook and lets the
+                # gradient stay local (the ranks drift apart). We refuse it.
+                raise MarkedTwiceError(self.rank, self.names[index], index, after_sync=True)
             return  # no_sync(), or a backward DDP was not asked to synchronise
         with self._lock:
             if self.trace is not None:
@@ -206,10 +213,10 @@ class Reducer:
                     self._mark_ready(unused_index)
             if self.config.static_graph:
                 if self.static_hooks_left[index] == 0:
-                    raise RuntimeError(
-                        f"mini_ddp: parameter '{self.names[index]}' received a gradient it did "
-                        f"not receive in iteration 1, or more often: the training graph changed, "
-                        f"which static_graph=True does not allow.")
+                    raise MiniDDPError(
+                        f"mini_ddp: parameter '{self.names[index]}' received a gradient on rank "
+                        f"{self.rank} it did not receive in iteration 1, or more often: the "
+                        f"training graph changed, which static_graph=True does not allow.")
                 self.static_hooks_left[index] -= 1
                 if self.static_hooks_left[index] > 0:
                     return  # hooks fire several times (e.g. checkpointing): wait for the last
@@ -340,6 +347,7 @@ class Reducer:
             if self.trace is not None:
                 self.trace.record("finalize_start")  # backward's compute has ended
             self.expect_hooks = False
+            self.synced_this_step = True
             self.require_finalize = False
             if self.config.static_graph and self.num_iterations > 1 and self.should_rebuild():
                 self.rebuild_order.extend(self.unused)
