@@ -1,0 +1,271 @@
+"""Bad input is refused with an error naming the culprit, on every rank, and nothing hangs.
+
+Refusals that leave the process group usable are batched: one set of ranks tries every
+construction mistake, another every mistake made during a step. Cases that leave a collective
+unmatched (a graph that changes under ``static_graph=True``) get their own ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mini_ddp import DataParallelModel, MarkedTwiceError, MiniDDPError, run_ranks
+from mini_ddp.comm import ParameterMismatchError
+
+WORLD = 3
+
+
+def _outcome(make) -> tuple[str, str]:
+    """(error type, message) of calling ``make()``, or ("ok", "") when nothing was raised."""
+    try:
+        make()
+    except Exception as err:  # noqa: BLE001 - the test asserts on the type
+        return type(err).__name__, str(err)
+    return "ok", ""
+
+
+# ---- construction ------------------------------------------------------------------------
+def _mlp(*widths: int) -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)))
+
+
+def _per_rank_models(rank: int) -> dict[str, nn.Module]:
+    """One model per mistake; ranks 1 or 2 build theirs differently from rank 0."""
+    named = OrderedDict([("encoder" if rank == 1 else "enc", nn.Linear(4, 4)),
+                         ("head", nn.Linear(4, 2))])
+    return {
+        "count": _mlp(4, 4, 2, 2) if rank == 2 else _mlp(4, 4, 2),
+        "name": nn.Sequential(named),
+        "shape": _mlp(4, 3 if rank == 1 else 2),
+        "dtype": _mlp(4, 2).double() if rank == 2 else _mlp(4, 2),
+        "meta device": nn.Linear(4, 4, device="meta"),
+        "cpu + meta": nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta")),
+        "lazy": nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(3)),
+    }
+
+
+_UNSUPPORTED = {"device_mesh": object(), "mixed_precision": object(),
+                "delay_all_reduce_named_params": [], "param_to_hook_all_reduce": object(),
+                "bucket_cap_mb_list": [1], "skip_all_reduce_unused_params": True,
+                "batched_grad_copy": True, "dim": 1}
+
+
+def _construction_refusals(ctx) -> dict[str, tuple[str, str]]:
+    results = {name: _outcome(lambda m=model: DataParallelModel(m))
+               for name, model in _per_rank_models(ctx.rank).items()}
+    for keyword, value in _UNSUPPORTED.items():
+        results[keyword] = _outcome(lambda k=keyword, v=value:
+                                    DataParallelModel(nn.Linear(2, 2), **{k: v}))
+    return results
+
+
+@pytest.fixture(scope="module")
+def construction() -> list[dict[str, tuple[str, str]]]:
+    return run_ranks(_construction_refusals, WORLD, timeout_s=120, collective_timeout_s=60)
+
+
+# case -> (error type, words the message must contain)
+MISMATCH = {
+    "count": ["rank 2 has 6 parameters", "rank 0 has 4", "'2.weight'", "[2, 2]"],
+    "name": ["'encoder.weight' on rank 1", "'enc.weight' on rank 0", "[4, 4]"],
+    "shape": ["'0.weight'", "shape [3, 4] on rank 1", "[2, 4] on rank 0"],
+    "dtype": ["'0.weight'", "torch.float64 on rank 2", "torch.float32 on rank 0"],
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(MISMATCH))
+def test_models_that_differ_across_ranks_are_refused_on_every_rank(construction, case):
+    messages = {results[case] for results in construction}
+    assert len(messages) == 1, messages  # the same verdict everywhere, rank 0's view included
+    kind, message = messages.pop()
+    assert kind == ParameterMismatchError.__name__ and issubclass(ParameterMismatchError,
+                                                                  MiniDDPError)
+    for words in MISMATCH[case]:
+        assert words in message, message
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case, words", [
+    ("meta device", ["'weight'", "meta device"]),
+    ("cpu + meta", ["'1.weight'", "meta device"]),
+    ("lazy", ["'1.weight'", "uninitialized", "dummy forward"]),
+])
+def test_parameters_that_cannot_be_synchronised_are_refused(construction, case, words):
+    for results in construction:
+        kind, message = results[case]
+        assert kind in ("RuntimeError", "ValueError"), (kind, message)
+        for word in words:
+            assert word in message, message
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("keyword", list(_UNSUPPORTED))
+def test_an_unsupported_keyword_is_refused_by_name(construction, keyword):
+    for results in construction:
+        kind, message = results[keyword]
+        assert kind == "NotImplementedError" and keyword in message, (kind, message)
+
+
+def test_wrapping_before_init_process_group_says_what_to_call() -> None:
+    with pytest.raises(RuntimeError, match=r"init_process_group"):
+        DataParallelModel(nn.Linear(2, 2))
+
+
+# ---- during a step -----------------------------------------------------------------------
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.left, self.right = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.head = "both"
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return self.left(h) + self.right(h) if self.head == "both" else getattr(self, self.head)(h)
+
+
+def _short_result_hook(state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer()[:-1].clone())  # one element short
+    return future
+
+
+def _not_a_future_hook(state, bucket):
+    return bucket.buffer()
+
+
+def _forward_twice_then_one_backward(ctx) -> bool:
+    """Two forwards, one backward of the summed losses: allowed, and equal to torch DDP."""
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    ours, theirs = DataParallelModel(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    torch.manual_seed(10 + ctx.rank)
+    x1, x2 = torch.randn(5, 6), torch.randn(5, 6)
+    for model in (ours, theirs):
+        (model(x1).square().sum() + model(x2).sum()).backward()
+    return all(torch.equal(a.grad, b.grad) for a, b in
+               zip(ours.module.parameters(), theirs.module.parameters(), strict=True))
+
+
+def _step_refusals(ctx) -> dict[str, tuple[str, str]]:
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(4, 6)
+    results: dict[str, tuple[str, str]] = {}
+
+    model = DataParallelModel(_TwoHeads(), bucket_cap_mb=0.0001)
+    loss = model(x).sum()
+    loss.backward(retain_graph=True)
+    results["backward twice"] = _outcome(loss.backward)
+
+    def two_forwards_two_backwards():
+        first, second = model(x).sum(), model(x).sum()
+        first.backward()
+        second.backward()
+    results["two forwards, two backwards"] = _outcome(two_forwards_two_backwards)
+
+    def two_forwards_unused_search():
+        net = _TwoHeads()
+        net.head = "left"
+        searching = DataParallelModel(net, find_unused_parameters=True)
+        first = searching(x).sum()
+        net.head = "right"
+        (first + searching(x).sum()).backward()  # 'left' was found unused by forward 2
+    results["two forwards, find_unused"] = _outcome(two_forwards_unused_search)
+
+    def accumulate_with_no_sync():  # the legitimate way to run several backwards
+        for _ in range(2):
+            with model.no_sync():
+                model(x).sum().backward()
+            model(x).sum().backward()
+    results["no_sync accumulation"] = _outcome(accumulate_with_no_sync)
+
+    for name, hook in (("short hook result", _short_result_hook),
+                       ("hook returns a tensor", _not_a_future_hook)):
+        hooked = DataParallelModel(_TwoHeads())
+        hooked.register_comm_hook(None, hook)
+        results[name] = _outcome(lambda m=hooked: m(x).sum().backward())
+    results["hook with one argument"] = _outcome(
+        lambda: DataParallelModel(_TwoHeads()).register_comm_hook(None, lambda bucket: bucket))
+    results["forward twice, one backward == torch DDP"] = (
+        "ok" if _forward_twice_then_one_backward(ctx) else "differs", "")
+    return results
+
+
+@pytest.fixture(scope="module")
+def step() -> list[dict[str, tuple[str, str]]]:
+    return run_ranks(_step_refusals, WORLD, timeout_s=120, collective_timeout_s=60)
+
+
+STEP = {
+    # torch DDP ignores the second backward's hooks: its gradients stay local, ranks diverge.
+    "backward twice": ("MarkedTwiceError", ["already synchronised", "retain_graph", "rank {r}"]),
+    "two forwards, two backwards": ("MarkedTwiceError", ["already synchronised", "rank {r}"]),
+    # torch DDP raises "Expected to mark a variable ready only once" here too.
+    "two forwards, find_unused": ("MarkedTwiceError", ["only once", "'left.", "rank {r}"]),
+    "no_sync accumulation": ("ok", []),
+    "short hook result": ("ValueError", ["_short_result_hook", "shape [", "expected ["]),
+    "hook returns a tensor": ("TypeError", ["_not_a_future_hook", "Future", "Tensor"]),
+    "hook with one argument": ("TypeError", ["two arguments"]),
+    "forward twice, one backward == torch DDP": ("ok", []),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(STEP))
+def test_step_mistakes_are_refused_on_every_rank(step, case):
+    kind, words = STEP[case]
+    for rank, results in enumerate(step):
+        got_kind, message = results[case]
+        assert got_kind == kind, (rank, got_kind, message)
+        for word in words:
+            assert word.format(r=rank) in message, message
+    if kind == "MarkedTwiceError":
+        assert issubclass(MarkedTwiceError, MiniDDPError)
+
+
+# ---- a graph that changes under static_graph=True ----------------------------------------
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.extra, self.b = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.use_extra = True
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(self.extra(h) if self.use_extra else h)
+
+
+def _static_graph_changes_on_rank1(ctx, first: bool) -> tuple[str, str]:
+    """Rank 1 changes its graph at step 2: it starts (or stops) using 'extra'."""
+    torch.manual_seed(0)
+    net = _Branchy()
+    model = DataParallelModel(net, static_graph=True, sync_timeout_s=10)
+    for step in range(4):
+        net.use_extra = first != (ctx.rank == 1 and step == 2)
+        outcome = _outcome(lambda: model(torch.randn(3, 4)).sum().backward())
+        if outcome[0] != "ok":
+            return outcome
+    return "ok", ""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("starts_using", [True, False], ids=["starts using", "stops using"])
+def test_a_changed_static_graph_is_an_error_on_every_rank(starts_using):
+    results = run_ranks(_static_graph_changes_on_rank1, WORLD, args=(not starts_using,),
+                        timeout_s=120, collective_timeout_s=60)
+    kind, message = results[1]
+    if starts_using:  # caught in the hook, naming the parameter
+        assert kind == "MiniDDPError" and "'extra." in message and "rank 1" in message
+        assert "static_graph=True" in message
+    else:  # its bucket never fills; the next forward names what got no gradient
+        assert kind == "UnfinishedReductionError" and "extra.weight" in message
+    for rank in (0, 2):  # the others: the bucket rank 1 never contributed to, by name
+        kind, message = results[rank]
+        assert kind in ("CollectiveError", "GradSyncTimeout"), (kind, message)
+        assert "all-reduce of bucket" in message and f"rank {rank}" in message
