@@ -103,4 +103,4 @@ class DataParallelConfig:
 
 
 def _mib(nbytes: int | None) -> str:
-    return f"{(nbytes or 0) / MIB:g} MiB ({nbytes:,} bytes)"
+    return f"{(nbytes or 0) / MIB:.4g} MiB ({nbytes:,} bytes)"

@@ -1,0 +1,127 @@
+"""The stall report: a rank that skips a parameter's gradient is named, with the parameter.
+
+The real case: rank 1's loss leaves out one branch. Its bucket never fills, rank 1 never
+launches it, its backward returns and its next forward fails; rank 0 launched the bucket and
+waits. Both must say "rank 1, parameters branch.weight/branch.bias" — rank 0 within the limit.
+"""
+
+import logging
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
+from mini_ddp.watchdog import StallReport, StallWatchdog, _holds_up
+
+LIMIT_S = 3.0
+SYNC_TIMEOUT_S = 60.0  # far above the limit: a report before it comes from the watchdog
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(4, 8)
+        self.branch = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, skip_branch=False):
+        h = torch.relu(self.trunk(x))
+        if not skip_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+def _skip_on_rank1(ctx, action, peer_stays, sync_timeout_s=SYNC_TIMEOUT_S):
+    torch.manual_seed(0)
+    model = DataParallelModel(Branchy(), bucket_cap_mb=0.0001, sync_timeout_s=sync_timeout_s)
+    watchdog = StallWatchdog(model, limit_s=LIMIT_S, action=action).install()
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("mini_ddp").addHandler(handler)
+    x = torch.randn(4, 4)
+    model(x).sum().backward()  # step 1, and the rebuild: one bucket per parameter
+    buckets = [[model.reducer.names[i] for i in b.param_indices] for b in model.reducer.buckets]
+    outcome, start = None, time.monotonic()
+    try:
+        model(x, skip_branch=ctx.rank == 1).sum().backward()  # step 2: rank 1 skips the branch
+        model(x).sum().backward()
+    except MiniDDPError as error:
+        outcome = error
+    waited = time.monotonic() - start
+    store = dist.distributed_c10d._get_default_store()
+    if peer_stays:  # rank 1 stays alive until rank 0 has reported (a stall, not a crash)
+        if ctx.rank == 0:
+            store.set("test/reported", "1")
+        else:
+            store.wait(["test/reported"])
+    watchdog.remove()
+    report = getattr(outcome, "report", None)
+    return {"type": type(outcome).__name__, "message": str(outcome), "report": report,
+            "waited": waited, "warnings": warnings, "buckets": buckets}
+
+
+@pytest.fixture(scope="module")
+def stalled():
+    return run_ranks(_skip_on_rank1, 2, args=("raise", True), timeout_s=120)
+
+
+def test_waiting_rank_names_the_skipping_rank_and_parameter_within_the_limit(stalled):
+    rank0 = stalled[0]
+    assert rank0["type"] == "StallError", rank0["message"]
+    report: StallReport = rank0["report"]
+    assert report.error is None and report.waited_s == LIMIT_S  # the limit fired, no timeout
+    assert rank0["waited"] < SYNC_TIMEOUT_S
+    assert report.waiting_for is not None and report.step == 2
+    assert report.missing_params == [] and report.pending_buckets == []
+    assert set(report.culprits) == {1}
+    assert "branch.weight" in report.culprits[1] and "branch.bias" in report.culprits[1]
+    assert "rank 1" in rank0["message"] and "branch.weight" in rank0["message"]
+    # the bucket rank 0 waits for is the first one holding a skipped parameter
+    first_skipped = next(k for k, names in enumerate(rank0["buckets"])
+                         if any(n.startswith("branch.") for n in names))
+    assert report.waiting_for == first_skipped
+
+
+def test_the_skipping_rank_reports_itself_at_its_next_forward(stalled):
+    rank1 = stalled[1]
+    assert rank1["type"] == "StallError", rank1["message"]
+    report: StallReport = rank1["report"]
+    assert sorted(report.missing_params) == ["branch.bias", "branch.weight"]
+    assert report.rank == 1 and report.waiting_for is None
+    assert "rank 1: no gradient for" in rank1["message"]
+
+
+def test_a_peer_that_died_is_named_from_its_marks():
+    rank0, rank1 = run_ranks(_skip_on_rank1, 2, args=("raise", False), timeout_s=120)
+    assert rank1["type"] == "StallError"  # ... and then it exits, closing its connections
+    assert rank0["type"] == "StallError", rank0["message"]
+    report: StallReport = rank0["report"]
+    assert report.error is not None or report.waited_s == LIMIT_S  # failed, or stalled
+    assert "branch.weight" in report.culprits[1]
+
+
+def test_warn_mode_logs_the_report_and_keeps_waiting():
+    # sync_timeout_s counts on after the report: rank 0 warns at the limit, then times out.
+    rank0, rank1 = run_ranks(_skip_on_rank1, 2, args=("warn", True, 1.0), timeout_s=120)
+    assert rank0["type"] == "GradSyncTimeout", rank0["message"]
+    assert any("stall report from rank 0" in w and "branch.weight" in w
+               for w in rank0["warnings"])
+    assert rank1["type"] == "UnfinishedReductionError"  # the engine's own error, after ...
+    assert any("stall report from rank 1" in w for w in rank1["warnings"])  # ... the report
+
+
+# ---- no processes ----------------------------------------------------------------------------
+def test_which_marks_hold_a_bucket_up():
+    now = time.time()
+    assert "left no mark" in _holds_up(None, 3, 1)
+    assert "behind" in _holds_up({"step": 2, "state": "finalized", "time": now}, 3, 1)
+    unfinished = {"step": 3, "state": "ended_unfinished", "launched": 1, "buckets": 4,
+                  "missing": ["w"], "pending": [1, 2, 3], "time": now}
+    assert "without a gradient for w" in _holds_up(unfinished, 3, 1)
+    running = {"step": 3, "state": "backward", "launched": 1, "buckets": 4, "time": now}
+    assert "not yet bucket 2" in _holds_up(running, 3, 2)
+    assert _holds_up(running, 3, 0) is None  # it launched bucket 0: not the culprit

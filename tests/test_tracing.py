@@ -1,0 +1,155 @@
+"""Tracing: every bucket goes ready -> launch -> complete on every rank; the Chrome trace is valid."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp.timeline import overlap, overlap_summary, plot_timeline, spans
+from mini_ddp.tracing import (
+    RankTrace,
+    TraceRecorder,
+    attach,
+    chrome_trace,
+    detach,
+    trace,
+    validate_chrome_trace,
+)
+
+STEPS = 3
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+def _traced_training(ctx):
+    torch.manual_seed(0)
+    model = DataParallelModel(_net(), bucket_cap_mb=0.0005)  # ~512 bytes: 3 buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16) + ctx.rank
+    layouts = []
+    with trace(model) as rec:
+        for _ in range(STEPS):
+            model(x).square().mean().backward()
+            layouts.append([list(b.param_indices) for b in model.reducer.buckets])
+            with rec.span("optimizer_step"):
+                opt.step()
+            opt.zero_grad()
+        rec.mark("done")
+    return rec.snapshot(), layouts, model.reducer.trace is None
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return run_ranks(_traced_training, 2, timeout_s=120)
+
+
+def _steps(events):
+    """Raw events cut into synchronised steps (each ends with 'finalized')."""
+    steps, current = [], []
+    for event in events:
+        current.append(event)
+        if event[1] == "finalized":
+            steps.append(current)
+            current = []
+    return steps
+
+
+def test_every_bucket_goes_ready_launch_complete_in_order_on_every_rank(traced):
+    for rank_trace, layouts, _ in traced:
+        steps = _steps(rank_trace.events)
+        assert len(steps) == STEPS
+        assert len(layouts[0]) == 1 and len(layouts[-1]) > 2  # one bucket, then the rebuild
+        for step, layout in zip(steps, layouts, strict=True):
+            for k in range(len(layout)):
+                times = {kind: [t for t, kd, info in step if kd == kind and info.get("bucket") == k]
+                         for kind in ("bucket_ready", "launch", "comm_done", "complete")}
+                assert all(len(v) == 1 for v in times.values()), (rank_trace.rank, k, times)
+                ready, launch = times["bucket_ready"][0], times["launch"][0]
+                assert ready <= launch <= times["comm_done"][0]
+                assert launch <= times["complete"][0]
+            launches = [info["bucket"] for _, kind, info in step if kind == "launch"]
+            assert launches == sorted(launches)  # strictly in bucket order
+            hooks = sorted(info["param"] for _, kind, info in step if kind == "hook")
+            assert hooks == list(range(6))  # each parameter's hook once per step
+            kinds = [kind for _, kind, _ in step]
+            assert kinds.index("forward_start") < kinds.index("forward_end") \
+                < kinds.index("finalize_start") < kinds.index("finalized")
+
+
+def test_tracing_is_detached_after_the_block(traced):
+    assert all(detached for _, _, detached in traced)
+
+
+def test_chrome_trace_is_valid_json_with_one_process_per_rank(traced, tmp_path):
+    traces = [t for t, _, _ in traced]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(chrome_trace(traces)))
+    obj = json.loads(path.read_text())
+    assert validate_chrome_trace(obj) == []
+    events = obj["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    comm = [e for e in events if e["name"].startswith("all-reduce")]
+    expected = sum(len(layout) for _, layouts, _ in traced for layout in layouts)
+    assert len(comm) == expected and all(e["ph"] == "X" and e["dur"] >= 0 for e in comm)
+    names = {e["name"] for e in events}
+    assert {"forward", "backward", "optimizer_step", "done", "2.weight"} <= names
+
+
+def test_overlap_figure_and_png(traced, tmp_path):
+    traces = [t for t, _, _ in traced]
+    rows = overlap(traces)
+    assert {(r.rank, r.step) for r in rows} == {(r, s) for r in (0, 1) for s in (1, 2, 3)}
+    for row in rows:
+        assert 0 <= row.hidden_s <= row.comm_s and 0 <= row.hidden_fraction <= 1
+        assert row.exposed_s == pytest.approx(row.comm_s - row.hidden_s)
+    assert "hidden" in overlap_summary(rows)
+    png = tmp_path / "timeline.png"
+    plot_timeline(traces, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- no processes ----------------------------------------------------------------------------
+def test_validator_catches_malformed_traces():
+    ok = {"name": "a", "ph": "B", "ts": 1, "pid": 0, "tid": 0}
+    assert validate_chrome_trace([ok, {**ok, "ph": "E", "ts": 2}]) == []
+    assert validate_chrome_trace([ok])  # unclosed B
+    assert validate_chrome_trace([{**ok, "ph": "E"}])  # E without B
+    assert validate_chrome_trace([{**ok, "ph": "Q"}])  # unknown phase
+    assert validate_chrome_trace([{**ok, "ph": "X", "dur": -1}])  # negative duration
+    assert validate_chrome_trace([{"ph": "X", "ts": 0, "pid": 0, "dur": 1}])  # missing keys
+    assert validate_chrome_trace({"nothing": []})
+
+
+def test_completion_seen_before_its_callback_keeps_the_earlier_time():
+    # The done-callback can be logged a hair after finalize observed the result: pair the
+    # n-th launch with the n-th completion of that bucket, and end the span at the earlier.
+    events = [(0, "layout", {"buckets": [[0]]}), (10, "forward_start", {}),
+              (20, "forward_end", {}), (30, "hook", {"param": 0}),
+              (31, "bucket_ready", {"bucket": 0}), (32, "launch", {"bucket": 0, "bytes": 4}),
+              (40, "finalize_start", {}), (50, "complete", {"bucket": 0}),
+              (55, "comm_done", {"bucket": 0}), (60, "finalized", {})]
+    out = spans(RankTrace(0, events, ["w"]))
+    comm = next(s for s in out if s.track == "bucket 0" and s.end > s.start)
+    assert (comm.start, comm.end) == (32, 50)
+    backward = next(s for s in out if s.name == "backward")
+    assert (backward.start, backward.end) == (20, 40)
+
+
+def test_attach_and_detach_share_the_reducer_seam():
+    class Reducer:
+        trace = None
+
+    reducer, a, b = Reducer(), TraceRecorder(), TraceRecorder()
+    attach(reducer, a)
+    attach(reducer, b)
+    reducer.trace.record("mark", name="x")
+    assert len(a.events) == len(b.events) == 1
+    detach(reducer, a)
+    assert reducer.trace is b
+    detach(reducer, b)
+    assert reducer.trace is None  # back on the zero-cost path
