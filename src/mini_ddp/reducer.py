@@ -86,6 +86,8 @@ class Reducer:
         self._install_buckets(list(reversed(bucketing.assign_buckets(self.params, limits))))
 
         self.num_iterations = 0          # synced forwards so far
+        self.num_backward_calls = 0      # backward passes that reached a hook (DDP's num_bwd_calls_)
+        self._backward_counted = False   # this backward is counted (reset when it finishes)
         self.expect_hooks = False        # a synced backward is expected
         self.synced_this_step = False    # a synced backward finished; no forward since
         self.require_finalize = False    # some gradient was marked ready and not yet finished
@@ -147,7 +149,9 @@ class Reducer:
 
     # ---- per-step state ------------------------------------------------------------------
     def static_first_iteration(self) -> bool:
-        return self.config.static_graph and self.num_iterations == 1
+        # Counted in backward passes, as DDP does since 2.1: two forwards may precede one
+        # backward, and that backward is still "iteration 1".
+        return self.config.static_graph and self.num_backward_calls == 1
 
     def _dynamic_find_unused(self) -> bool:
         return self.config.find_unused_parameters and not self.config.static_graph
@@ -192,6 +196,20 @@ class Reducer:
 
     # ---- 1. hook -------------------------------------------------------------------------
     def _on_grad_accumulated(self, index: int) -> None:
+        with self._lock:
+            # DDP's autograd_hook does this in *every* backward, synced or not: a parameter used
+            # only inside no_sync() still counts as used at the synced step (its accumulated
+            # grad is then averaged, not left local), and a static graph's first backward is
+            # counted even when its forward ran under no_sync().
+            if not self._backward_counted:
+                self._backward_counted = True
+                self.num_backward_calls += 1
+            if (self._dynamic_find_unused() or self.static_first_iteration()) \
+                    and self.params[index].grad is not None:
+                self.local_used[index] = 1
+            if self.static_first_iteration():
+                self.static_hook_counts[index] += 1  # all reducing waits for delay_all_reduce
+                return
         if not self.expect_hooks:
             if self.synced_this_step:
                 # A second backward on a synced forward: torch DDP ignores the hook and lets the
@@ -201,12 +219,6 @@ class Reducer:
         with self._lock:
             if self.trace is not None:
                 self.trace.record("hook", param=index)
-            if (self._dynamic_find_unused() or self.static_first_iteration()) \
-                    and self.params[index].grad is not None:
-                self.local_used[index] = 1
-            if self.static_first_iteration():
-                self.static_hook_counts[index] += 1  # all reducing waits for delay_all_reduce
-                return
             if not self.marked_unused:
                 self.marked_unused = True
                 for unused_index in self.unused:
@@ -349,7 +361,9 @@ class Reducer:
             self.expect_hooks = False
             self.synced_this_step = True
             self.require_finalize = False
-            if self.config.static_graph and self.num_iterations > 1 and self.should_rebuild():
+            self._backward_counted = False
+            if self.config.static_graph and self.num_backward_calls > 1 \
+                    and self.should_rebuild():
                 self.rebuild_order.extend(self.unused)
             track_unused = self.config.static_graph or self.config.find_unused_parameters
             for bucket in self.buckets:
