@@ -58,3 +58,12 @@ def test_a_dead_rank_is_named_with_its_exit_code():
     with pytest.raises(RanksFailed) as err:
         run_ranks(_die_on_rank2, 3, timeout_s=60)
     assert "exit code 7" in err.value.failures[2]
+
+
+def _return_a_tensor(ctx):
+    return torch.full((3,), float(ctx.rank))
+
+
+def test_tensors_come_back_after_the_ranks_exit():
+    results = run_ranks(_return_a_tensor, 2, timeout_s=60)
+    assert [r.tolist() for r in results] == [[0.0] * 3, [1.0] * 3]

@@ -19,6 +19,7 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -90,13 +91,19 @@ def _rank_main(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout
             )
             result = fn(RankContext(rank, world_size), *args)
-            conn.send(("ok", result))
+            _send(conn, ("ok", result))
         except BaseException:  # noqa: BLE001 - report anything, including KeyboardInterrupt
-            conn.send(("error", traceback.format_exc()))
+            _send(conn, ("error", traceback.format_exc()))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
             conn.close()
+
+
+def _send(conn: Any, message: tuple) -> None:
+    """Send with plain pickle: multiprocessing's own pickler would pass tensors as handles to
+    this rank's shared memory, which vanish when the rank exits, before the parent reads them."""
+    conn.send_bytes(pickle.dumps(message))
 
 
 def run_ranks(
@@ -147,7 +154,7 @@ def run_ranks(
             conn, proc = conns[rank], procs[rank]
             if conn.poll(0.02):
                 try:
-                    status, payload = conn.recv()
+                    status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     proc.join(timeout=2)
                     status, payload = "error", (
