@@ -36,18 +36,20 @@ class Branchy(nn.Module):
 
 def _skip_on_rank1(ctx, action, peer_stays, sync_timeout_s=SYNC_TIMEOUT_S):
     torch.manual_seed(0)
-    model = DataParallelModel(Branchy(), bucket_cap_mb=0.0001, sync_timeout_s=sync_timeout_s)
+    # ~52-byte buckets: [head], [branch], [trunk] after the rebuild, in that launch order
+    model = DataParallelModel(Branchy(), bucket_cap_mb=0.00005, sync_timeout_s=sync_timeout_s)
     watchdog = StallWatchdog(model, limit_s=LIMIT_S, action=action).install()
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("mini_ddp").addHandler(handler)
     x = torch.randn(4, 4)
-    model(x).sum().backward()  # step 1, and the rebuild: one bucket per parameter
+    for _ in range(2):  # step 1, then step 2 on the rebuilt buckets
+        model(x).sum().backward()
     buckets = [[model.reducer.names[i] for i in b.param_indices] for b in model.reducer.buckets]
     outcome, start = None, time.monotonic()
     try:
-        model(x, skip_branch=ctx.rank == 1).sum().backward()  # step 2: rank 1 skips the branch
+        model(x, skip_branch=ctx.rank == 1).sum().backward()  # step 3: rank 1 skips the branch
         model(x).sum().backward()
     except MiniDDPError as error:
         outcome = error
@@ -75,15 +77,17 @@ def test_waiting_rank_names_the_skipping_rank_and_parameter_within_the_limit(sta
     report: StallReport = rank0["report"]
     assert report.error is None and report.waited_s == LIMIT_S  # the limit fired, no timeout
     assert rank0["waited"] < SYNC_TIMEOUT_S
-    assert report.waiting_for is not None and report.step == 2
+    assert report.step == 3
     assert report.missing_params == [] and report.pending_buckets == []
     assert set(report.culprits) == {1}
     assert "branch.weight" in report.culprits[1] and "branch.bias" in report.culprits[1]
     assert "rank 1" in rank0["message"] and "branch.weight" in rank0["message"]
-    # the bucket rank 0 waits for is the first one holding a skipped parameter
-    first_skipped = next(k for k, names in enumerate(rank0["buckets"])
-                         if any(n.startswith("branch.") for n in names))
-    assert report.waiting_for == first_skipped
+    # rank 1 launched bucket 0 (the head) and stopped at the branch's bucket, where rank 0 waits
+    assert [sorted(b) for b in rank0["buckets"]] == [
+        ["head.bias", "head.weight"], ["branch.bias", "branch.weight"],
+        ["trunk.bias", "trunk.weight"]]
+    assert report.waiting_for == 1 and "launched 1 of 3" in report.culprits[1]
+    assert report.marks[1]["pending"] == [1, 2]
 
 
 def test_the_skipping_rank_reports_itself_at_its_next_forward(stalled):

@@ -186,7 +186,7 @@ def plot_timeline(traces: list[RankTrace], path: str, last_steps: int = 2,
     chosen = [(r, [s for s in ss if s.step in shown]) for r, ss in per_rank]
     t0 = min((s.start for _, ss in chosen for s in ss), default=0)
     rows: list[str] = []
-    fig_height = 1.0 + 0.35 * sum(2 + len({s.track for s in ss if s.track.startswith("bucket")})
+    fig_height = 2.0 + 0.35 * sum(2 + len({s.track for s in ss if s.track.startswith("bucket")})
                                   for _, ss in chosen)
     fig, ax = plt.subplots(figsize=(12, fig_height))
     for rank, rank_spans in chosen:
@@ -206,11 +206,18 @@ def plot_timeline(traces: list[RankTrace], path: str, last_steps: int = 2,
                         else f"C{(int(track.split()[1]) + 3) % 10}"
                     ax.broken_barh([(x0, width)], (y - 0.35, 0.7), color=colour, alpha=0.85)
     ax.set_yticks([-i for i in range(len(rows))], rows)
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"gradient synchronisation, steps {min(shown)}-{max(shown)}: "
-                 "blue forward, orange backward, grey finalize, green user spans; "
-                 "bucket rows: all-reduce from launch to completion, ticks: hooks / ready",
-                 fontsize=9)
+    ax.set_xlabel("time (ms), clocks aligned across ranks")
+    ax.set_title(title or f"gradient synchronisation on {len(traces)} ranks, steps "
+                 f"{min(shown)}-{max(shown)}", fontsize=10)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    legend = [Patch(color=c, label=n) for n, c in _COLOURS.items()] + [
+        Patch(color="tab:green", label="your spans/marks (optimizer step)"),
+        Patch(color="C3", label="all-reduce of a bucket, launch to completion"),
+        Line2D([], [], color="black", linewidth=0.8, label="hook fired / bucket ready")]
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 * 6 / fig_height),
+              ncol=3, fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
