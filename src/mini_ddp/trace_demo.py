@@ -56,7 +56,7 @@ def _traced_rank(ctx: RankContext, opts: dict) -> tuple[Any, str]:
     return rec.snapshot(), explain(model, max_names=8)
 
 
-def _overhead_rank(ctx: RankContext, opts: dict) -> dict[str, float]:
+def _overhead_rank(ctx: RankContext, opts: dict) -> dict[str, tuple[float, float]]:
     from mini_ddp.desync import DesyncDetector
     from mini_ddp.tracing import TraceRecorder, attach, detach
     from mini_ddp.watchdog import StallWatchdog
@@ -65,7 +65,10 @@ def _overhead_rank(ctx: RankContext, opts: dict) -> dict[str, float]:
     for batch in batches:  # warm-up, and the bucket rebuild
         _step(model, opt, batch)
     watchdog, detector = StallWatchdog(model, limit_s=600), DesyncDetector(model, every=1)
-    times: dict[str, list[float]] = {"off": [], "trace": [], "watchdog": [], "desync": []}
+    # Wall time per step, and this process's CPU time per step (all its threads): the CPU
+    # time is what the tools consume, and shrugs off most of a busy machine's scheduling noise.
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in
+                                                   ("off", "trace", "watchdog", "desync")}
     for _ in range(opts["rounds"]):
         for mode in times:  # interleaved, so machine noise hits every mode alike
             rec = TraceRecorder(ctx.rank, model.reducer.names, model.reducer)
@@ -76,13 +79,14 @@ def _overhead_rank(ctx: RankContext, opts: dict) -> dict[str, float]:
             elif mode == "desync":
                 detector.install()
             for i in range(opts["steps"]):
-                start = time.perf_counter()
+                wall, cpu = time.perf_counter(), time.process_time()
                 _step(model, opt, batches[i % len(batches)])
-                times[mode].append(time.perf_counter() - start)
+                times[mode].append((time.perf_counter() - wall, time.process_time() - cpu))
             detach(model.reducer, rec)
             watchdog.remove()
             detector.remove()
-    return {mode: statistics.median(values) for mode, values in times.items()}
+    return {mode: (statistics.median(w for w, _ in values),
+                   statistics.median(c for _, c in values)) for mode, values in times.items()}
 
 
 def _cap(text: str) -> float | None:
@@ -121,14 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     opts = vars(args)
     if args.overhead:
         medians = run_ranks(_overhead_rank, args.world_size, args=(opts,), timeout_s=1200)
-        print(f"median step time, {args.model}, batch {args.batch_size}, world size "
-              f"{args.world_size}, {args.rounds} rounds x {args.steps} steps per mode:")
+        print(f"median per step, {args.model}, batch {args.batch_size}, world size "
+              f"{args.world_size}, {args.rounds} rounds x {args.steps} steps per mode "
+              f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs):")
         for mode in medians[0]:
-            per_rank = [m[mode] for m in medians]
-            rel = statistics.mean(m[mode] / m["off"] - 1 for m in medians)
-            print(f"  {mode:<9} " + "  ".join(f"rank {r}: {1e3 * t:7.2f} ms"
-                                              for r, t in enumerate(per_rank))
-                  + ("" if mode == "off" else f"   ({rel:+.1%} vs off)"))
+            cells = []
+            for kind, what in ((0, "wall"), (1, "CPU")):
+                per_rank = "/".join(f"{1e3 * m[mode][kind]:.2f}" for m in medians)
+                rel = statistics.mean(m[mode][kind] / m["off"][kind] - 1 for m in medians)
+                cells.append(f"{what} {per_rank} ms" + ("" if mode == "off" else f" ({rel:+.1%})"))
+            print(f"  {mode:<9} " + "   ".join(cells))
         print(f"one TraceRecorder.record() call: {1e6 * _record_cost_s():.2f} us "
               "(a traced step records ~3 events per parameter and bucket)")
         return 0
