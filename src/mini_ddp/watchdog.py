@@ -12,7 +12,8 @@ launched, and — the moment its backward ends with buckets unlaunched — which
 got no gradient. A rank that waits longer than ``limit_s`` for a collective (or sees it fail
 because the peer died) reads everyone's marks and raises :class:`StallError` with a report
 naming the rank and the parameters; the rank at fault raises the same report at its next
-forward. With ``action="warn"`` the report is logged and waiting goes on.
+forward. With ``action="warn"`` the report is logged and waiting goes on (for up to
+``sync_timeout_s`` more, then :class:`~mini_ddp.errors.GradSyncTimeout`).
 
 Cost when installed: a store write per bucket launch and per step; nothing when not installed.
 """
