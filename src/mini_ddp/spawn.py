@@ -90,6 +90,9 @@ def _rank_main(
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout
             )
+            # Gloo's full-mesh connect can complete on one side first; a rank that then exits
+            # at once would close the socket under a peer still in its handshake.
+            dist.barrier()
             result = fn(RankContext(rank, world_size), *args)
             _send(conn, ("ok", result))
         except BaseException:  # noqa: BLE001 - report anything, including KeyboardInterrupt
