@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mini_ddp.demo", "the main job: 2-rank training on CPU with a parity check"),
     "parity": ("mini_ddp.parity", "train under torch DDP and mini_ddp side by side, compare bits"),
     "explain": ("mini_ddp.explain", "show the bucket layout and why each parameter is there"),
-    "trace": ("mini_ddp.tracing", "record a short run and write a Chrome trace + PNG timeline"),
+    "trace": ("mini_ddp.trace_demo", "record a short run and write a Chrome trace + PNG timeline"),
     "bench": ("mini_ddp.bench", "step time and memory vs torch DDP, measured side by side"),
     "collective-bench": ("mini_ddp.collective_bench",
                          "all-reduce algorithms vs Gloo: time, algbw, busbw, alpha-beta fit"),

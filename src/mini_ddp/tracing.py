@@ -254,10 +254,3 @@ def validate_chrome_trace(obj: Any) -> list[str]:
                 stack.pop()
     problems += [f"{len(s)} unclosed B events on pid/tid {k}" for k, s in open_spans.items() if s]
     return problems
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mini_ddp trace``: see :mod:`mini_ddp.trace_demo`."""
-    from mini_ddp.trace_demo import main as trace_main
-
-    return trace_main(argv)
