@@ -194,12 +194,15 @@ def run_parity(opts: ParityOptions) -> ParityReport:
     if opts.reference not in ("ddp", "local"):
         raise ValueError(f"reference must be 'ddp' or 'local', got {opts.reference!r}")
     if _under_torchrun():
-        if not dist.is_initialized():
+        created = not dist.is_initialized()
+        if created:
             dist.init_process_group("gloo")
         opts = dataclasses.replace(opts, world_size=dist.get_world_size())
         mine = _rank_main(RankContext(dist.get_rank(), opts.world_size), opts)
         per_rank: list = [None] * opts.world_size
         dist.all_gather_object(per_rank, mine)
+        if created:
+            dist.destroy_process_group()
     else:
         per_rank = run_ranks(_rank_main, opts.world_size, args=(opts,), timeout_s=opts.timeout_s)
     return ParityReport(opts, [d for diffs in per_rank for d in diffs])
@@ -236,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gradient_as_bucket_view=a.gradient_as_bucket_view, static_graph=a.static_graph,
         broadcast_buffers=a.broadcast_buffers, timeout_s=a.timeout)
     report = run_parity(opts)
-    if not _under_torchrun() or dist.get_rank() == 0:
+    if not _under_torchrun() or os.environ["RANK"] == "0":
         print(report.format(a.max_lines), flush=True)
     return 0 if report.ok else 1
 

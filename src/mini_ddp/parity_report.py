@@ -118,7 +118,8 @@ class ParityReport:
         defaults = {f.name: f.default for f in dataclasses.fields(o)}
         knobs = ", ".join(f"{f}={getattr(o, f)}" for f in DDP_KEYWORDS
                           if getattr(o, f) != defaults[f])
-        lines = [f"mini_ddp parity: {o.model}, world size {o.world_size}, {o.steps} steps, "
+        steps = f"{o.steps} step{'s' if o.steps != 1 else ''}"
+        lines = [f"mini_ddp parity: {o.model}, world size {o.world_size}, {steps}, "
                  f"batch {o.batch_size}/rank, {o.optimizer}, seed {o.seed}, reference: {ref}",
                  f"options: {knobs or 'defaults'}" + (f"; INJECTED BUG: {o.inject_bug}"
                                                       if o.inject_bug else ""),
@@ -146,7 +147,7 @@ class ParityReport:
         first = self.first_divergence
         if first is None:
             what = "within tolerance" if local else "bitwise equal"
-            lines.append(f"RESULT: OK — all {o.steps} steps {what} ({len(self.diffs)} tensor "
+            lines.append(f"RESULT: OK — all {steps} {what} ({len(self.diffs)} tensor "
                          f"comparisons over {o.world_size} ranks)")
         else:
             lines.append(f"RESULT: MISMATCH — first divergence at step {first.step}, {first.phase}"
