@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mini_ddp.hooks import GradBucket
 from mini_ddp.model import DataParallelModel
+from mini_ddp.models import Seed002CNN, resnet18_cifar
 from mini_ddp.parity_report import DDP_KEYWORDS, ParityReport, TensorDiff, compare_tensors
 from mini_ddp.spawn import RankContext, run_ranks
 
@@ -46,20 +47,9 @@ def _mlp() -> nn.Module:
                          nn.Linear(64, 10))
 
 
-def _lenet() -> nn.Module:
-    # Seed 002's CNN, for 3 x 32 x 32 input.
-    return nn.Sequential(nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5),
-                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(),
-                         nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
-
-
-def _resnet18() -> nn.Module:
-    from torchvision.models import resnet18  # imported lazily: torchvision is slow to import
-    return resnet18(weights=None, num_classes=10)
-
-
 BUILTINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
-    "mlp": (_mlp, (32,)), "lenet": (_lenet, (3, 32, 32)), "resnet18": (_resnet18, (3, 32, 32))}
+    "mlp": (_mlp, (32,)), "lenet": (Seed002CNN, (3, 32, 32)),
+    "resnet18": (resnet18_cifar, (3, 32, 32))}
 
 
 def resolve_model(spec: str) -> Callable[[], nn.Module]:
