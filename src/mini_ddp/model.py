@@ -27,7 +27,7 @@ from mini_ddp import join as joining
 from mini_ddp.comm import dist_broadcast_coalesced, verify_params_across_ranks
 from mini_ddp.config import DataParallelConfig
 from mini_ddp.errors import naming_collective
-from mini_ddp.hooks import CommHook, check_comm_hook
+from mini_ddp.hooks import CommHook, check_comm_hook, hook_name, prepare_comm_hook
 from mini_ddp.reducer import Reducer
 
 logger = logging.getLogger("mini_ddp")
@@ -314,13 +314,21 @@ class DataParallelModel(nn.Module, Joinable):
         Same contract as torch DDP, so torch's own hooks (``default_hooks.allreduce_hook``,
         ``fp16_compress_hook``, PowerSGD, …) run unchanged. The hook must average the
         gradients itself: with a hook, gradients are copied into buckets unscaled.
+
+        On Gloo, torch's PowerSGD and quantization hooks are wrapped in
+        :func:`mini_ddp.hooks.gloo_safe` (each bucket finishes before the next starts): as
+        they are, they deadlock there, in torch DDP too. See docs/comm_hooks.md.
         """
         check_comm_hook(hook)
         if self._comm_hook_registered:
-            raise RuntimeError("mini_ddp: register_comm_hook can only be called once "
-                               f"(a hook is already registered: {self.reducer.comm_hook!r}).")
+            raise RuntimeError(
+                f"mini_ddp: register_comm_hook can only be called once: {hook_name(hook)} "
+                f"cannot replace {hook_name(self.reducer.comm_hook)}, registered before (torch "
+                "DDP refuses a second hook the same way).")
         self._comm_hook_registered = True
-        self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
+        self.reducer.comm_hook = prepare_comm_hook(hook, state, self.process_group, self.device,
+                                                   self.config.sync_timeout_s)
+        self.reducer.comm_hook_state = state
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]

@@ -41,7 +41,7 @@ from mini_ddp.errors import (
     describe_bucket,
     naming_collective,
 )
-from mini_ddp.hooks import CommHook, GradBucket, allreduce_sum_hook, result_tensor
+from mini_ddp.hooks import CommHook, GradBucket, allreduce_sum_hook, hook_name, result_tensor
 
 logger = logging.getLogger("mini_ddp")
 
@@ -303,10 +303,9 @@ class Reducer:
             # torch._C.Future, not torch.futures.Future: ``fut.then(...)`` (torch's own
             # allreduce_hook) returns the C++ base class, which DDP accepts.
             if not isinstance(bucket.future, torch._C.Future):
-                raise TypeError(f"mini_ddp: communication hook "
-                                f"{getattr(self.comm_hook, '__qualname__', self.comm_hook)} "
-                                f"must return a torch.futures.Future, got "
-                                f"{type(bucket.future).__name__}")
+                raise TypeError(f"mini_ddp: communication hook {hook_name(self.comm_hook)} "
+                                f"must return a torch.futures.Future; for bucket "
+                                f"{bucket.index} it returned a {type(bucket.future).__name__}")
         if self.trace is not None:  # lets a recorder log when the collective really ends
             self.trace.record("launched", bucket=bucket.index, future=bucket.future)
 
