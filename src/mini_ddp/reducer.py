@@ -88,6 +88,7 @@ class Reducer:
         self.num_iterations = 0          # synced forwards so far
         self.num_backward_calls = 0      # backward passes that reached a hook (DDP's num_bwd_calls_)
         self._backward_counted = False   # this backward is counted (reset when it finishes)
+        self._hook_static_first = self._hook_tracks_used = self._hook_records_order = False
         self.expect_hooks = False        # a synced backward is expected
         self.synced_this_step = False    # a synced backward finished; no forward since
         self.require_finalize = False    # some gradient was marked ready and not yet finished
@@ -110,6 +111,19 @@ class Reducer:
         me = weakref.ref(self)  # the nodes outlive nothing, but avoid a cycle through C++
         for index, acc in enumerate(self._accumulators):
             acc.register_hook(functools.partial(_hook_trampoline, me, index))
+
+    @property
+    def div_factor(self) -> int:
+        """What gradients are averaged over: the world size, unless ``join`` changes it."""
+        return self._div_factor
+
+    @div_factor.setter
+    def div_factor(self, value: int) -> None:
+        self._div_factor = value
+        # 1/value as the 0-dim float64 CPU tensor DDP hands mul_out (a wrapped double scalar).
+        # Made once instead of per gradient: a Python float makes torch.mul build that tensor
+        # on every call, which doubled the call's cost. The kernel and the bits are the same.
+        self._scale = torch.tensor(1.0 / value, dtype=torch.float64)
 
     # ---- layout --------------------------------------------------------------------------
     def _install_buckets(self, layout: list[list[int]], rebuilt: bool = False) -> None:
@@ -164,6 +178,8 @@ class Reducer:
         """Arm the hooks for the backward of this forward's ``outputs``."""
         self.expect_hooks = True
         self.synced_this_step = False
+        # The rebuild happens before forward, so this holds for the whole backward.
+        self._hook_records_order = self.should_rebuild()
         self.next_bucket = 0
         for bucket in self.buckets:
             bucket.pending = len(bucket.param_indices)
@@ -195,6 +211,17 @@ class Reducer:
         raise UnfinishedReductionError(self.rank, [self.names[i] for i in missing], missing)
 
     # ---- 1. hook -------------------------------------------------------------------------
+    def _count_backward(self) -> None:
+        """First hook of a backward: count it, and settle what its other hooks will ask.
+
+        These flags change only with ``num_backward_calls`` (here) and the config, so each
+        hook reads two attributes instead of re-deriving them (a hook runs per parameter).
+        """
+        self._backward_counted = True
+        self.num_backward_calls += 1
+        self._hook_static_first = self.static_first_iteration()
+        self._hook_tracks_used = self._dynamic_find_unused() or self._hook_static_first
+
     def _on_grad_accumulated(self, index: int) -> None:
         with self._lock:
             # DDP's autograd_hook does this in *every* backward, synced or not: a parameter used
@@ -202,21 +229,18 @@ class Reducer:
             # grad is then averaged, not left local), and a static graph's first backward is
             # counted even when its forward ran under no_sync().
             if not self._backward_counted:
-                self._backward_counted = True
-                self.num_backward_calls += 1
-            if (self._dynamic_find_unused() or self.static_first_iteration()) \
-                    and self.params[index].grad is not None:
+                self._count_backward()
+            if self._hook_tracks_used and self.params[index].grad is not None:
                 self.local_used[index] = 1
-            if self.static_first_iteration():
+            if self._hook_static_first:
                 self.static_hook_counts[index] += 1  # all reducing waits for delay_all_reduce
                 return
-        if not self.expect_hooks:
-            if self.synced_this_step:
-                # A second backward on a synced forward: torch DDP ignores the hook and lets the
-                # gradient stay local (the ranks drift apart). We refuse it.
-                raise MarkedTwiceError(self.rank, self.names[index], index, after_sync=True)
-            return  # no_sync(), or a backward DDP was not asked to synchronise
-        with self._lock:
+            if not self.expect_hooks:
+                if self.synced_this_step:
+                    # A second backward on a synced forward: torch DDP ignores the hook and lets
+                    # the gradient stay local (the ranks drift apart). We refuse it.
+                    raise MarkedTwiceError(self.rank, self.names[index], index, after_sync=True)
+                return  # no_sync(), or a backward DDP was not asked to synchronise
             if self.trace is not None:
                 self.trace.record("hook", param=index)
             if not self.marked_unused:
@@ -232,7 +256,7 @@ class Reducer:
                 self.static_hooks_left[index] -= 1
                 if self.static_hooks_left[index] > 0:
                     return  # hooks fire several times (e.g. checkpointing): wait for the last
-            if self.should_rebuild():
+            if self._hook_records_order:
                 self.rebuild_order.append(index)
             self._mark_ready(index)
 
@@ -250,10 +274,11 @@ class Reducer:
             if self.trace is not None:
                 self.trace.record("bucket_ready", bucket=bucket_index)
             self.start_grad_sync(bucket_index)
-        if self.next_bucket == len(self.buckets):
-            if self._dynamic_find_unused():
-                self._launch_used_map_reduce()
-            Variable._execution_engine.queue_callback(self.finish_grad_sync)
+            # Only a launch moves next_bucket, so only a full bucket can make it the last.
+            if self.next_bucket == len(self.buckets):
+                if self._dynamic_find_unused():
+                    self._launch_used_map_reduce()
+                Variable._execution_engine.queue_callback(self.finish_grad_sync)
 
     def _copy_grad_into_bucket(self, bucket: bucketing.Bucket, position: int) -> None:
         param, view = bucket.params[position], bucket.views[position]
@@ -275,7 +300,7 @@ class Reducer:
             # DDP multiplies by 1/world_size while copying (mul_out with a double scalar).
             # x * (1/3) differs from x / 3 in about a third of fp32 values: this line is
             # where bitwise parity is won.
-            torch.mul(grad, 1.0 / self.div_factor, out=view)
+            torch.mul(grad, self._scale, out=view)
         if self.config.gradient_as_bucket_view:
             param.grad = view
 
