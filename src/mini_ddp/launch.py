@@ -115,16 +115,17 @@ def launch(fn: Callable[[Any, DistInfo], None], args: argparse.Namespace) -> Non
     launcher = detect_launcher(os.environ, local_rank_arg)
     if launcher != "spawn":
         world_size = int(os.environ["WORLD_SIZE"])
-        if args.world_size not in (None, world_size):
-            raise RuntimeError(f"--world-size {args.world_size} contradicts WORLD_SIZE="
+        asked = getattr(args, "world_size", None)
+        if asked not in (None, world_size):
+            raise RuntimeError(f"--world-size {asked} contradicts WORLD_SIZE="
                                f"{world_size} set by the launcher; drop --world-size")
-        if "LOCAL_RANK" not in os.environ:  # very old launchers only pass --local_rank
-            os.environ["LOCAL_RANK"] = str(local_rank_arg if local_rank_arg is not None else 0)
+        if "LOCAL_RANK" not in os.environ and local_rank_arg is not None:
+            os.environ["LOCAL_RANK"] = str(local_rank_arg)  # very old launchers: argument only
         with process_group(launcher) as info:
             fn(args, info)
         return
 
-    world_size = args.world_size or 1
+    world_size = getattr(args, "world_size", None) or 1
     host = os.environ.get("MASTER_ADDR", LOOPBACK)
     port = int(os.environ.get("MASTER_PORT", "0"))  # 0: let the OS pick a free port
     # The parent owns the store server, on a socket it bound itself: no race for a "free"
