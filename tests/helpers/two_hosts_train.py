@@ -1,0 +1,88 @@
+"""Train a few steps with torch DDP and DataParallelModel side by side; for tests/test_two_hosts.py.
+
+Started by torchrun on every "host" (a network namespace in the test). Each rank starts from a
+different random model (so the start-up broadcast crosses the network too), feeds both engines
+the same per-rank batches, and compares every gradient and every parameter with ``torch.equal``
+after every step. Rank 0 writes ``{"world_size", "mismatches", "ranks"}`` as JSON to ``--out``,
+where ``ranks`` lists each rank's address on its ``GLOO_SOCKET_IFNAME`` interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import fcntl
+import json
+import os
+import socket
+import struct
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mini_ddp import DataParallelModel
+
+
+def _interface_address(name: str) -> str:
+    """The IPv4 address of interface ``name`` (SIOCGIFADDR), to show where this rank lives."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 5))
+
+
+def main() -> None:
+    """Run the comparison in this rank; rank 0 reports."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)
+    base = _model()
+    # A small cap gives several buckets after the rebuild: several collectives per step.
+    engines = {"torch": DDP(copy.deepcopy(base), bucket_cap_mb=0.01),
+               "mini": DataParallelModel(copy.deepcopy(base), bucket_cap_mb=0.01)}
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+              for k, m in engines.items()}
+    data = torch.Generator().manual_seed(rank)
+    mismatches = []
+    for step in range(args.steps):
+        x, y = torch.randn(8, 20, generator=data), torch.randint(0, 5, (8,), generator=data)
+        for name, model in engines.items():
+            optims[name].zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+        theirs, ours = engines["torch"].module, engines["mini"].module
+        for (pname, p), q in zip(theirs.named_parameters(), ours.parameters(), strict=True):
+            if not torch.equal(p.grad, q.grad):
+                mismatches.append(f"rank {rank} step {step}: grad of {pname}")
+        for opt in optims.values():
+            opt.step()
+        for (pname, p), q in zip(theirs.named_parameters(), ours.parameters(), strict=True):
+            if not torch.equal(p, q):
+                mismatches.append(f"rank {rank} step {step}: {pname}")
+
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    me = {"rank": rank, "interface": ifname,
+          "address": _interface_address(ifname) if ifname else "", "mismatches": mismatches}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, me)
+    if rank == 0:
+        report = {"world_size": world, "ranks": everyone,
+                  "mismatches": [m for r in everyone for m in r["mismatches"]]}
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
