@@ -6,6 +6,10 @@ node in each: ``--nnodes=2 --node-rank=<r> --master-addr=10.231.0.1``, with GLOO
 set to that namespace's veth. Every byte between the nodes (rendezvous store, Gloo's pairs)
 crosses the veth over TCP; the test checks its byte counters to be sure.
 
+A second test cuts the link in the middle of training, as a host that loses power or network
+would: no connection is closed, so Gloo notices nothing and every rank must be stopped by
+DataParallelModel's own deadline (``sync_timeout_s``), with an error naming what it waited for.
+
 Two processes per node (world size 4), not one: at world size 2 every way of averaging gives
 the same bits, so a parity check there could not catch a wrong engine.
 
@@ -20,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +34,7 @@ SCRIPT = ROOT / "tests" / "helpers" / "two_hosts_train.py"
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 NPROC_PER_NODE = 2
 MASTER_PORT = 29531  # inside fresh namespaces nothing else can hold it
+SYNC_TIMEOUT_S = 5.0
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -74,27 +80,39 @@ def _veth_bytes(namespace: str, veth: str) -> tuple[int, int]:
     return stats["rx"]["bytes"], stats["tx"]["bytes"]
 
 
-@pytest.mark.timeout(420)
-def test_parity_with_torch_ddp_across_two_network_namespaces(two_hosts, tmp_path: Path):
-    report = tmp_path / "report.json"
+def _start_nodes(hosts: list, script_args: list[str]) -> list[subprocess.Popen]:
+    """One torchrun node per namespace, node 0's address as the rendezvous."""
     procs = []
-    for node_rank, (namespace, veth, _) in enumerate(two_hosts):
+    for node_rank, (namespace, veth, _) in enumerate(hosts):
         env = dict(os.environ, GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1")
         cmd = ["ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run",
                "--nnodes=2", f"--node-rank={node_rank}", f"--nproc-per-node={NPROC_PER_NODE}",
                f"--master-addr={ADDRESSES[0]}", f"--master-port={MASTER_PORT}", str(SCRIPT),
-               "--out", str(report)]
+               *script_args]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Each node's output; nodes still running at the deadline are killed."""
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=360)[0])
+            outputs.append(proc.communicate(timeout=timeout_s)[0])
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
+    return outputs
+
+
+@pytest.mark.timeout(420)
+def test_parity_with_torch_ddp_across_two_network_namespaces(two_hosts, tmp_path: Path):
+    report = tmp_path / "report.json"
+    procs = _start_nodes(two_hosts, ["--out", str(report)])
+    outputs = _finish(procs, 360)
     for node_rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"node {node_rank}:\n{out[-4000:]}"
 
@@ -108,3 +126,34 @@ def test_parity_with_torch_ddp_across_two_network_namespaces(two_hosts, tmp_path
     for namespace, veth, _ in two_hosts:
         received, sent = _veth_bytes(namespace, veth)
         assert received > 100_000 and sent > 100_000, (namespace, received, sent)
+
+
+@pytest.mark.timeout(420)
+def test_a_network_partition_stops_every_rank_with_a_named_timeout(two_hosts, tmp_path: Path):
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    procs = _start_nodes(two_hosts, ["--out", str(tmp_path / "unused.json"), "--errors",
+                                     str(errors), "--steps", "100000",
+                                     "--sync-timeout", str(SYNC_TIMEOUT_S)])
+    deadline = time.monotonic() + 300
+    while not (errors / "step5").exists():  # let training get going first
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            _finish(procs, 5)
+        time.sleep(0.2)
+    namespace, veth, _ = two_hosts[1]
+    cut_at = time.time()
+    assert _ip("-n", namespace, "link", "set", veth, "down").returncode == 0
+    outputs = _finish(procs, 300)
+    exited_after = time.time() - cut_at
+
+    reports = {r: json.loads((errors / f"rank{r}.json").read_text())
+               for r in range(2 * NPROC_PER_NODE) if (errors / f"rank{r}.json").exists()}
+    assert len(reports) == 2 * NPROC_PER_NODE, (reports, [o[-3000:] for o in outputs])
+    for rank, report in reports.items():
+        assert report["type"] in ("GradSyncTimeout", "CollectiveError"), report
+        assert f"rank {rank}" in report["message"] and "bucket" in report["message"], report
+        # Nothing but our deadline can end this wait: not Gloo (120 s here), not TCP.
+        assert report["at"] - cut_at < SYNC_TIMEOUT_S + 30, report
+    assert all(p.returncode != 0 for p in procs), outputs
+    print(f"partition: errors {sorted(round(r['at'] - cut_at, 2) for r in reports.values())} s "
+          f"after the cut, torchrun exited {exited_after:.1f} s after it")

@@ -5,6 +5,10 @@ different random model (so the start-up broadcast crosses the network too), feed
 the same per-rank batches, and compares every gradient and every parameter with ``torch.equal``
 after every step. Rank 0 writes ``{"world_size", "mismatches", "ranks"}`` as JSON to ``--out``,
 where ``ranks`` lists each rank's address on its ``GLOO_SOCKET_IFNAME`` interface.
+
+With ``--errors DIR`` (the network-partition test) each rank instead trains mini_ddp alone for
+``--steps`` steps, touches ``DIR/step{n}`` as it goes, and when something raises writes
+``DIR/rank{r}.json`` with the error's type, message and wall-clock time, then exits 1.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import json
 import os
 import socket
 import struct
+import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,10 +50,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--errors", default=None, help="partition test: report errors here")
+    parser.add_argument("--sync-timeout", type=float, default=300.0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.errors:
+        sys.exit(_until_it_breaks(args, rank))
     torch.manual_seed(100 + rank)
     base = _model()
     # A small cap gives several buckets after the rebuild: several collectives per step.
@@ -82,6 +93,25 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(report, f)
     dist.destroy_process_group()
+
+
+def _until_it_breaks(args: argparse.Namespace, rank: int) -> int:
+    """Train mini_ddp alone, slowly; on the first error record what was raised, and when."""
+    torch.manual_seed(0)
+    model = DataParallelModel(_model(), bucket_cap_mb=0.01, sync_timeout_s=args.sync_timeout)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(args.steps):
+            model(torch.randn(8, 20)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            Path(args.errors, f"step{step}").touch()
+            time.sleep(0.2)
+    except Exception as err:  # noqa: BLE001 - reported to the test, then exit non-zero
+        report = {"type": type(err).__name__, "message": str(err), "at": time.time()}
+        Path(args.errors, f"rank{rank}.json").write_text(json.dumps(report))
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
