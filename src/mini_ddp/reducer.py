@@ -390,11 +390,15 @@ class Reducer:
                     and self.should_rebuild():
                 self.rebuild_order.extend(self.unused)
             track_unused = self.config.static_graph or self.config.find_unused_parameters
+            plain = not track_unused and not self.config.gradient_as_bucket_view
             for bucket in self.buckets:
                 value = self._wait(bucket.future, bucket)
                 result = result_tensor(value, self.comm_hook, bucket.grad_bucket)
                 if self.trace is not None:
                     self.trace.record("complete", bucket=bucket.index)
+                if plain and result is bucket.buffer:
+                    self._copy_out(bucket)
+                    continue
                 for param, index, view_in, view_out in zip(
                         bucket.params, bucket.param_indices, bucket.views,
                         bucket.views_of(result), strict=True):
@@ -409,6 +413,21 @@ class Reducer:
                 self.global_used, self._global_used_future = None, None
             if self.trace is not None:
                 self.trace.record("finalized")
+
+    @staticmethod
+    def _copy_out(bucket: bucketing.Bucket) -> None:
+        """The common case of :meth:`_write_back` for a whole bucket, in one foreach copy.
+
+        DDP's copy_bucket_to_grad per parameter; the same bits (a copy), much less Python.
+        """
+        grads = []
+        for param in bucket.params:
+            grad = param.grad
+            if grad is None:  # a fresh gradient with the parameter's own strides (layout contract)
+                grad = param.grad = torch.empty_strided(param.size(), param.stride(),
+                                                        dtype=param.dtype, device=param.device)
+            grads.append(grad)
+        torch._foreach_copy_(grads, bucket.views)
 
     def _write_back(self, param: torch.Tensor, view_in: torch.Tensor,
                     view_out: torch.Tensor) -> None:
