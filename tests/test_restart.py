@@ -71,6 +71,18 @@ def _reference_rank(ctx, checkpoint_dir: str) -> None:
                                  torch.device("cpu"), "env"))
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """End a torchrun job still running: SIGTERM lets its agent stop the workers (they run in
+    sessions of their own, out of reach of a process-group kill), SIGKILL if it does not."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def _final_state(ckpt: Path) -> tuple[dict, dict, int]:
     model = Seed002CNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -84,8 +96,9 @@ def test_killed_ranks_restart_from_the_last_good_checkpoint_without_loss(tmp_pat
     faulty = _torchrun(tmp_path / "faulty", 2, FAULTS, tmp_path / "faulty.jsonl")
     try:
         run_ranks(_reference_rank, 2, args=(str(tmp_path / "reference"),), timeout_s=300)
+        out, _ = faulty.communicate(timeout=480)
     finally:
-        out, _ = faulty.communicate(timeout=540)
+        _stop(faulty)
     assert faulty.returncode == 0, out[-4000:]
 
     # Where each attempt resumed: nothing, then step 12 (latest), then step 12 again because

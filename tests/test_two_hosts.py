@@ -95,7 +95,7 @@ def _start_nodes(hosts: list, script_args: list[str]) -> list[subprocess.Popen]:
 
 
 def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
-    """Each node's output; nodes still running at the deadline are killed."""
+    """Each node's output; nodes still running at the deadline are stopped."""
     outputs = []
     try:
         for proc in procs:
@@ -103,8 +103,14 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
     finally:
         for proc in procs:
             if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+                # SIGTERM first: the agent then stops its workers, which run in sessions of
+                # their own and would outlive a SIGKILLed agent.
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=30)
     return outputs
 
 
@@ -135,15 +141,18 @@ def test_a_network_partition_stops_every_rank_with_a_named_timeout(two_hosts, tm
     procs = _start_nodes(two_hosts, ["--out", str(tmp_path / "unused.json"), "--errors",
                                      str(errors), "--steps", "100000",
                                      "--sync-timeout", str(SYNC_TIMEOUT_S)])
-    deadline = time.monotonic() + 300
-    while not (errors / "step5").exists():  # let training get going first
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-            _finish(procs, 5)
-        time.sleep(0.2)
-    namespace, veth, _ = two_hosts[1]
-    cut_at = time.time()
-    assert _ip("-n", namespace, "link", "set", veth, "down").returncode == 0
-    outputs = _finish(procs, 300)
+    cut_at = None
+    try:
+        deadline = time.monotonic() + 300
+        while not (errors / "step5").exists():  # let training get going first
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                pytest.fail("training did not reach step 5 on both nodes")
+            time.sleep(0.2)
+        namespace, veth, _ = two_hosts[1]
+        cut_at = time.time()
+        assert _ip("-n", namespace, "link", "set", veth, "down").returncode == 0
+    finally:  # on every path: wait for the nodes, stop them if they hang
+        outputs = _finish(procs, 300 if cut_at else 5)
     exited_after = time.time() - cut_at
 
     reports = {r: json.loads((errors / f"rank{r}.json").read_text())
