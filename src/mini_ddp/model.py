@@ -51,7 +51,8 @@ class DataParallelModel(nn.Module, Joinable):
     we do not implement raise ``NotImplementedError`` naming the argument.
 
     mini_ddp additions (keyword-only): ``sync_timeout_s`` — the bound on waiting for one
-    bucket's collective at the end of backward (see :class:`DataParallelConfig`).
+    bucket's collective at the end of backward, and for the buffer broadcast before forward
+    (see :class:`DataParallelConfig` and docs/reliability.md).
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
