@@ -128,8 +128,20 @@ def launch(fn: Callable[[Any, DistInfo], None], args: argparse.Namespace) -> Non
     world_size = getattr(args, "world_size", None) or 1
     host = os.environ.get("MASTER_ADDR", LOOPBACK)
     port = int(os.environ.get("MASTER_PORT", "0"))  # 0: let the OS pick a free port
-    # The parent owns the store server, on a socket it bound itself: no race for a "free"
-    # port, and the listening address really is `host` (127.0.0.1 unless told otherwise).
+    store, port = store_server(host, port, world_size)
+    log.info("spawning %d ranks, rendezvous at %s:%d", world_size, host, port)
+    mp.spawn(_spawned_rank, args=(fn, args, world_size, host, port), nprocs=world_size,
+             join=True)
+    del store
+
+
+def store_server(host: str, port: int, world_size: int) -> tuple[dist.TCPStore, int]:
+    """A rendezvous store server that really listens on ``host`` only; returns it and its port.
+
+    The caller owns the server, on a socket it bound itself: no race for a "free" port (0 lets
+    the OS pick), and the listening address really is ``host`` — a TCPStore given a host name
+    still listens on every interface.
+    """
     listener = socket.create_server((host, port), backlog=max(128, world_size))
     port = listener.getsockname()[1]
     try:
@@ -139,10 +151,17 @@ def launch(fn: Callable[[Any, DistInfo], None], args: argparse.Namespace) -> Non
         listener.close()
         raise
     listener.detach()  # the store owns the socket now and closes it when it goes
-    log.info("spawning %d ranks, rendezvous at %s:%d", world_size, host, port)
-    mp.spawn(_spawned_rank, args=(fn, args, world_size, host, port), nprocs=world_size,
-             join=True)
-    del store
+    return store, port
+
+
+def keep_gloo_on_loopback() -> None:
+    """Pin Gloo's own sockets to the loopback interface (unless GLOO_SOCKET_IFNAME is set).
+
+    Gloo opens its sockets on the interface of the machine's host name, not on the store's.
+    """
+    lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if lo:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
 
 
 def _spawned_rank(local_rank: int, fn: Callable[[Any, DistInfo], None],
@@ -152,11 +171,7 @@ def _spawned_rank(local_rank: int, fn: Callable[[Any, DistInfo], None],
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR=host, MASTER_PORT=str(port))
     if host == LOOPBACK:
-        # Gloo opens its own sockets on the interface of the machine's host name; keep them on
-        # loopback too. An explicit GLOO_SOCKET_IFNAME from the user wins.
-        lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-        if lo:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        keep_gloo_on_loopback()
     if "OMP_NUM_THREADS" not in os.environ:
         # N ranks each using every core thrash the CPU; torchrun applies the same rule.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

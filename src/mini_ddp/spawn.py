@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mini_ddp.launch import LOOPBACK, keep_gloo_on_loopback, store_server
+
 _CONTEXT: Any = None
 
 
@@ -78,6 +80,7 @@ def _rank_main(
 ) -> None:
     """Body of one rank: join the process group, run ``fn``, send back its result or traceback."""
     os.environ.update(env)
+    keep_gloo_on_loopback()
     torch.set_num_threads(1)
     with open(stack_file, "w") as stack_out:
         # SIGUSR1 from the parent at the deadline: write every thread's stack, keep running.
@@ -129,8 +132,9 @@ def run_ranks(
     ``collective_timeout_s`` bounds each collective inside the ranks (default: ``timeout_s``).
     """
     ctx = _context()
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
-    store_addr = ("127.0.0.1", store.port)
+    # Loopback only: the store has no authentication, so it must not listen on the network.
+    store, port = store_server(LOOPBACK, 0, world_size)
+    store_addr = (LOOPBACK, port)
     coll_timeout = collective_timeout_s if collective_timeout_s is not None else timeout_s
     stack_dir = tempfile.mkdtemp(prefix="mini_ddp_ranks_")
     procs, conns = [], []
