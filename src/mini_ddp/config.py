@@ -50,9 +50,10 @@ class DataParallelConfig:
     grad enabled — except right after a forward under ``no_grad`` or ``no_sync()``, as DDP."""
 
     sync_timeout_s: float | None = 300.0
-    """How long the end of backward waits for one bucket's collective before raising
-    :class:`mini_ddp.errors.GradSyncTimeout` naming the bucket (``None``: wait forever).
-    torch DDP has no such bound; it waits for the process group's timeout (30 min)."""
+    """How long the end of backward waits for one bucket's collective, and a forward for the
+    buffer broadcast, before raising :class:`mini_ddp.errors.GradSyncTimeout` naming what it
+    waited for (``None``: wait forever). torch DDP has no such bound; it waits for the process
+    group's timeout (30 min)."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
