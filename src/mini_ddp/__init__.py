@@ -18,7 +18,7 @@ from mini_ddp.errors import (
     UnfinishedReductionError,
 )
 from mini_ddp.explain import explain
-from mini_ddp.hooks import GradBucket
+from mini_ddp.hooks import CommHookTimeout, GradBucket, gloo_safe
 from mini_ddp.model import DataParallelModel
 from mini_ddp.multi_device import MultiDeviceDataParallel
 from mini_ddp.spawn import RankContext, RanksFailed, run_ranks
@@ -27,6 +27,7 @@ from mini_ddp.watchdog import StallError, StallWatchdog
 
 __all__ = [
     "CollectiveError",
+    "CommHookTimeout",
     "DataParallelConfig",
     "DataParallelModel",
     "DesyncDetector",
@@ -46,6 +47,7 @@ __all__ = [
     "check_in_sync",
     "collective_hook",
     "explain",
+    "gloo_safe",
     "run_ranks",
     "trace",
 ]
