@@ -7,9 +7,9 @@ Start it exactly like the example (``torchrun ... tests/helpers/resume_example.p
 step S (counted from 1), after truncating ``DIR/latest.pt`` first when ``corrupt`` is true.
 Every rank appends ``{"attempt", "rank", "resumed_step"}`` to ``MINI_DDP_TEST_JOURNAL``.
 
-The example is loaded from its file and two of its names are wrapped: ``load_checkpoint`` (to
-journal where the rank resumed) and ``DataParallelModel`` (to count forwards). Nothing else in
-its training code is touched.
+The example is loaded from its file and two names of its training loop (``mini_ddp.trainer``)
+are wrapped: ``load_checkpoint`` (to journal where the rank resumed) and ``DataParallelModel``
+(to count forwards). Nothing else in its training code is touched.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def main() -> None:
     args = example.parse_args()
     resumed = {"step": 0}
 
-    real_load = example.load_checkpoint
+    loop = example.trainer  # the examples' shared training loop, where the names are looked up
+    real_load = loop.load_checkpoint
 
     def load_checkpoint(*a: Any, **kw: Any) -> Any:
         state = real_load(*a, **kw)
@@ -53,7 +54,7 @@ def main() -> None:
                                     "resumed_step": resumed["step"]}) + "\n")
         return state
 
-    class FaultyModel(example.DataParallelModel):
+    class FaultyModel(loop.DataParallelModel):
         """Counts forwards; dies in the forward of the chosen global step."""
 
         forwards = 0
@@ -70,8 +71,8 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
             return super().forward(*inputs, **kwargs)
 
-    example.load_checkpoint = load_checkpoint
-    example.DataParallelModel = FaultyModel
+    loop.load_checkpoint = load_checkpoint
+    loop.DataParallelModel = FaultyModel
     example.launch(example.train, args)
 
 
