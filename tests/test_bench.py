@@ -1,0 +1,62 @@
+"""The benchmark runs end to end and reports every engine; memory accounting adds up.
+
+Nothing here asserts a time: timings on a shared 2-core machine are noise at this size.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mini_ddp import bench
+from mini_ddp.bench_models import BENCH_MODELS, ENGINES, build_engine, tensor_bytes
+
+
+@pytest.mark.timeout(300)
+def test_bench_end_to_end_tiny_model_emits_json_with_all_engines(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "sweep.png"
+    rc = bench.main(["--models", "tiny", "--quick", "--engines", ",".join(ENGINES),
+                     "--sweep-model", "tiny", "--mem-steps", "1", "--timeout", "240",
+                     "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert (row["model"], row["world_size"]) == ("tiny", 2)
+    for key in ("median_ms", "cpu_ms", "over_ddp", "over_compute", "exposed_comm_ms"):
+        assert set(row[key]) == set(ENGINES), key
+    assert all(v > 0 for v in row["median_ms"].values())
+    assert row["over_ddp"]["torch_ddp"] == 1.0 and row["over_compute"]["compute"] == 1.0
+    assert all(len(v) == 3 for v in row["blocks_ms"].values())  # --quick: 3 blocks
+    assert set(row["memory"]) == set(ENGINES) | {"torch_ddp+gabv", "mini_ddp+gabv"}
+    assert [r["bucket_cap_mb"] for r in report["sweep"]] == [1.0, 25.0]
+    assert png.stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "mini_ddp" in printed and "bucket-cap sweep" in printed
+
+
+def test_tensor_bytes_counts_params_grads_and_buckets_once():
+    # No process group needed for the plain engines; the DDP ones are covered end to end.
+    base = BENCH_MODELS["tiny"].factory()
+    engine = build_engine("compute", base, None, False)
+    params = sum(p.numel() * 4 for p in base.parameters())
+    assert tensor_bytes(engine) == params  # no grads yet
+    x, y = BENCH_MODELS["tiny"].make_batch(4, torch.Generator().manual_seed(0))
+    engine.step((x, y))
+    assert tensor_bytes(engine) == 2 * params  # + one gradient per parameter
+
+
+def test_summarize_pairs_blocks_and_takes_the_slowest_rank():
+    per_rank = [{"torch_ddp": {"wall": [1.0, 2.0, 4.0], "cpu": [1.0, 1.0, 1.0]},
+                 "mini_ddp": {"wall": [0.5, 2.0, 5.0], "cpu": [0.5, 1.0, 1.0]},
+                 "compute": {"wall": [0.5, 1.0, 2.0], "cpu": [0.5, 1.0, 1.0]}},
+                {"torch_ddp": {"wall": [1.0, 3.0, 4.0], "cpu": [1.0, 1.0, 1.0]},
+                 "mini_ddp": {"wall": [0.9, 2.0, 4.0], "cpu": [0.5, 1.0, 1.0]},
+                 "compute": {"wall": [0.5, 1.0, 2.0], "cpu": [0.5, 1.0, 1.0]}}]
+    s = bench.summarize(per_rank)
+    # slowest rank per block: ddp [1, 3, 4], mini [0.9, 2, 5] -> ratios 0.9, 0.667, 1.25
+    assert s["over_ddp"]["mini_ddp"] == pytest.approx(0.9)
+    assert s["median_ms"]["torch_ddp"] == pytest.approx(3000.0)
+    assert s["exposed_comm_ms"]["mini_ddp"] == pytest.approx(2000.0 - 1000.0)
+    assert s["over_compute"]["compute"] == 1.0
