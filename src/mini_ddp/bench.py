@@ -72,9 +72,9 @@ def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]]) -> list[dict[str, 
         result: dict[str, Any] = {"blocks": _time_blocks(engines, batches, job["steps"],
                                                          job["blocks"], job["warmup"])}
         del engines
-        if job["memory"]:  # two rounds, keep each engine's lower peak (RSS is noisy)
+        if job["memory"]:  # several rounds, keep each engine's lowest peak (RSS is noisy)
             rounds = [memory_report(base, batches, job["cap"], job["mem_steps"], job["engines"])
-                      for _ in range(2)]
+                      for _ in range(job["mem_rounds"])]
             result["memory"] = {e: {"tensor_MiB": v["tensor_MiB"], "peak_rss_growth_MiB": min(
                 (r[e]["peak_rss_growth_MiB"] for r in rounds), key=lambda x: x or 0)}
                 for e, v in rounds[0].items()}
@@ -112,7 +112,8 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, An
 
 def _jobs(args: argparse.Namespace, world_size: int) -> list[dict[str, Any]]:
     common = {"steps": args.steps, "blocks": args.blocks, "warmup": args.warmup,
-              "gabv": args.gradient_as_bucket_view, "mem_steps": args.mem_steps}
+              "gabv": args.gradient_as_bucket_view, "mem_steps": args.mem_steps,
+              "mem_rounds": args.mem_rounds}
     jobs = [{**common, "kind": "models", "model": m, "cap": args.bucket_cap_mb,
              "engines": args.engines, "memory": not args.no_memory} for m in args.models]
     if world_size == args.sweep_world_size:
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps per block")
     p.add_argument("--blocks", type=int, default=15, help="blocks per engine")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine")
-    p.add_argument("--mem-steps", type=int, default=3)
+    p.add_argument("--mem-steps", type=int, default=3, help="measured steps per engine")
+    p.add_argument("--mem-rounds", type=int, default=2, help="memory rounds (lowest kept)")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--sweep-model", default="resnet18")
