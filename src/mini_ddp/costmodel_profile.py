@@ -102,25 +102,18 @@ def _sweep_rank(ctx: RankContext, sizes: list[int], iters: int) -> list[float]:
 
 
 def steps_rank(ctx: RankContext, model: str, steps: int) -> dict[str, float]:
+    """Median step time of mini_ddp, torch DDP and compute only, alternating step by step."""
+    from mini_ddp.bench import _time_blocks
     from mini_ddp.bench_models import BENCH_MODELS, build_engine
 
     spec = BENCH_MODELS[model]
     torch.manual_seed(0)
     base = spec.factory()
-    batch = spec.make_batch(spec.batch, torch.Generator().manual_seed(ctx.rank))
-    out = {}
-    for name in ("mini_ddp", "torch_ddp", "compute"):
-        engine = build_engine(name, base, None, False)
-        for _ in range(3):
-            engine.step(batch)
-        times = []
-        for _ in range(steps):
-            dist.barrier()
-            start = time.perf_counter()
-            engine.step(batch)
-            times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times)
-    return out
+    batches = [spec.make_batch(spec.batch, torch.Generator().manual_seed(ctx.rank))]
+    engines = {n: build_engine(n, base, None, False) for n in ("mini_ddp", "torch_ddp",
+                                                                 "compute")}
+    blocks = _time_blocks(engines, batches, steps=1, blocks=steps, warmup=3)
+    return {n: statistics.median(v["wall"]) for n, v in blocks.items()}
 
 
 def fit_network(world_size: int = 2, sizes: list[int] | None = None, iters: int = 5) -> Network:
