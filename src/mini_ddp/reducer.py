@@ -75,11 +75,6 @@ class Reducer:
         self.on_stall: Callable[[Reducer, bucketing.Bucket | None, BaseException | None],
                                 None] | None = None
         self.stall_after_s: float | None = None
-        # Copy each bucket's result into .grad from its collective's completion callback, on
-        # the backend's thread, while backward still runs (see _launch); False: all copies
-        # wait for the end of backward, as in torch DDP. Same bits either way.
-        self.overlap_copy_out = True
-        self._copies: dict[int, torch.futures.Future] = {}  # bucket index -> copy-out done
         self.layout_history: list[list[list[int]]] = []  # every layout installed, oldest first
         device = self.params[0].device
 
@@ -189,7 +184,6 @@ class Reducer:
         for bucket in self.buckets:
             bucket.pending = len(bucket.param_indices)
             bucket.future = None
-        self._copies.clear()
         if self.config.static_graph:
             self.static_hooks_left = list(self.static_hook_counts)
         self.marked_unused = False
@@ -329,16 +323,6 @@ class Reducer:
         if self.comm_hook is None:
             with naming_collective(self.rank, lambda: self._describe(bucket)):
                 bucket.future = allreduce_sum_hook(self.group, grad_bucket)
-            if self.overlap_copy_out and not self.config.gradient_as_bucket_view \
-                    and not (self.config.static_graph or self.config.find_unused_parameters):
-                # torch DDP copies every bucket back only once backward has ended, on the
-                # main thread. Here a bucket is copied back as soon as its all-reduce is done,
-                # on the thread that finished it: the copies overlap the rest of backward and
-                # the later buckets' collectives (tensor ops release the GIL). The parameter's
-                # gradient is final by then (its hook has fired), and finish_grad_sync waits
-                # for the copy, so .grad holds the same bits at the same point for the user.
-                self._copies[bucket.index] = bucket.future.then(
-                    functools.partial(_copy_out_when_reduced, bucket))
         else:
             bucket.future = self.comm_hook(self.comm_hook_state, grad_bucket)
             # torch._C.Future, not torch.futures.Future: ``fut.then(...)`` (torch's own
@@ -413,11 +397,7 @@ class Reducer:
                 if self.trace is not None:
                     self.trace.record("complete", bucket=bucket.index)
                 if plain and result is bucket.buffer:
-                    copied = self._copies.get(bucket.index)
-                    if copied is None:
-                        self._copy_out(bucket)
-                    else:
-                        self._wait(copied, bucket)  # copied on the backend's thread
+                    self._copy_out(bucket)
                     continue
                 for param, index, view_in, view_out in zip(
                         bucket.params, bucket.param_indices, bucket.views,
@@ -506,11 +486,6 @@ class Reducer:
         if self.should_rebuild() and not self.rebuild_order:
             # Rebuild with the others before the next forward: DDP pushes every parameter.
             self.rebuild_order = list(range(len(self.params)))
-
-
-def _copy_out_when_reduced(bucket: bucketing.Bucket, future: torch.futures.Future) -> None:
-    future.value()  # a failed collective fails the copy's future too, with the same error
-    Reducer._copy_out(bucket)
 
 
 def _hook_trampoline(reducer_ref: weakref.ref, index: int, *_grads: Any) -> None:
