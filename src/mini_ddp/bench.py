@@ -33,7 +33,6 @@ from mini_ddp.bench_models import BENCH_MODELS, ENGINES, Engine, build_engine, m
 from mini_ddp.spawn import RankContext, run_ranks
 
 logger = logging.getLogger("mini_ddp.bench")
-DEFAULT_ENGINES = ("torch_ddp", "mini_ddp", "naive", "compute")
 
 
 def _time_blocks(engines: dict[str, Engine], batches: list, steps: int, blocks: int,
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mini_ddp bench", description=__doc__.split("\n")[0])
     p.add_argument("--models", default="resnet18,mlp20m,transformer",
                    help=f"comma-separated, of {','.join(BENCH_MODELS)}")
-    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+    p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated, of {','.join(ENGINES)}")
     p.add_argument("--world-sizes", default="2,3,4")
     p.add_argument("--steps", type=int, default=2, help="timed steps per block")

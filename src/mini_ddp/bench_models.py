@@ -9,10 +9,8 @@
 * ``tiny`` — a 3-layer MLP for tests: milliseconds per step.
 
 Engines (:func:`build_engine`): ``torch_ddp`` (torch's C++ reducer), ``mini_ddp``
-(:class:`mini_ddp.DataParallelModel`), ``mini_ddp_serial`` (the same with
-``reducer.overlap_copy_out = False``: results copied back after backward, as torch does),
-``naive`` (one blocking all-reduce per parameter after backward, then ``div_``) and
-``compute`` (no communication: the limit). :func:`memory_report` measures each engine's
+(:class:`mini_ddp.DataParallelModel`), ``naive`` (one blocking all-reduce per parameter after
+backward, then ``div_``) and ``compute`` (no communication: the limit). :func:`memory_report` measures each engine's
 memory alone: tensor bytes (:func:`tensor_bytes`) and peak RSS growth.
 """
 
@@ -102,7 +100,7 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
 
 
-ENGINES = ("torch_ddp", "mini_ddp", "mini_ddp_serial", "naive", "compute")
+ENGINES = ("torch_ddp", "mini_ddp", "naive", "compute")
 
 
 @dataclass
@@ -137,9 +135,8 @@ def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool) -> E
     if name == "torch_ddp":
         model: nn.Module = DistributedDataParallel(module, bucket_cap_mb=cap,
                                                    gradient_as_bucket_view=gabv)
-    elif name.startswith("mini_ddp"):
+    elif name == "mini_ddp":
         model = DataParallelModel(module, bucket_cap_mb=cap, gradient_as_bucket_view=gabv)
-        model.reducer.overlap_copy_out = name != "mini_ddp_serial"
     elif name in ("naive", "compute"):
         model = module
     else:

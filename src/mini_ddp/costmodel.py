@@ -14,9 +14,9 @@ back into ``.grad`` and the optimizer step — and a :class:`Network` (alpha, be
 an all-reduce sweep or given. Buckets of another cap are re-formed from the per-parameter
 arrival times with DDP's own assignment (:func:`mini_ddp.buckets.assign_buckets`).
 
-mini_ddp copies a bucket's result back on the communication thread as soon as it arrives
-(``overlap_copy_out``), so in the model that copy occupies the channel after the all-reduce;
-torch DDP copies everything after backward (``overlap=False``).
+Like torch DDP, mini_ddp copies every bucket's result back into ``.grad`` after backward;
+``overlap=True`` asks "what if each copy ran on the communication thread as its all-reduce
+ended" (tried in mini_ddp: no measurable gain on CPU — docs/performance.md).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def buckets_for_cap(profile: Profile, cap_mb: float | None) -> tuple[list[float]
 
 
 def predict(profile: Profile, n: int, net: Network, cap_mb: float | None = None,
-            overlap: bool = True, compute_scale: float = 1.0) -> Prediction:
+            overlap: bool = False, compute_scale: float = 1.0) -> Prediction:
     """Simulate one step on ``n`` ranks. ``compute_scale`` stretches all computation (e.g.
     ranks sharing cores: ``n / cores``); communication is the network's alone."""
     ready, sizes = buckets_for_cap(profile, cap_mb)
@@ -113,7 +113,7 @@ def predict(profile: Profile, n: int, net: Network, cap_mb: float | None = None,
         channel_free = max(r * compute_scale, channel_free) + ar + copy
         comm += ar
     end = max(backward, channel_free)
-    if not overlap:  # torch DDP: every bucket is copied back after the waits
+    if not overlap:  # both engines copy every bucket back after the waits
         end += profile.copy_out_s * compute_scale
     exposed = end - backward - (0.0 if overlap else profile.copy_out_s * compute_scale)
     step = (profile.forward_s + profile.optimizer_s) * compute_scale + end
@@ -125,41 +125,56 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     return asdict(profile)
 
 
+def _measure(args: argparse.Namespace) -> tuple[Profile, Network | None, dict, int]:
+    """Profile, fit and step times: measured here, or reused from ``--profile-json``."""
+    if args.profile_json:  # re-predict from an earlier report's measurements
+        with open(args.profile_json) as f:
+            old = json.load(f)
+        steps = {}
+        for v in old["validation"]:
+            steps.setdefault(v["world_size"], {"compute": v["measured_compute_ms"] / 1e3})[
+                v["engine"]] = v["measured_ms"] / 1e3
+        return Profile(**old["profile"]), Network(**old["network"]), steps, old["cpus"]
+    from mini_ddp.costmodel_profile import profile_rank, steps_rank
+
+    profile = Profile(**run_ranks(profile_rank, 1, args=(args.model, args.steps),
+                                  timeout_s=args.timeout)[0])
+    steps = {}
+    for n in args.world_sizes:
+        measured = run_ranks(steps_rank, n, args=(profile.model, args.steps),
+                             timeout_s=args.timeout)
+        steps[n] = {k: max(r[k] for r in measured) for k in measured[0]}
+    return profile, None, steps, os.cpu_count() or 1
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Profile (or load), fit (or take) the network, validate, predict: the JSON report."""
-    from mini_ddp.costmodel_profile import fit_network, profile_rank, steps_rank
-    cpus = os.cpu_count() or 1
-    if args.profile_json:
-        with open(args.profile_json) as f:
-            profile = Profile(**json.load(f)["profile"])
-    else:
-        profile = Profile(**run_ranks(profile_rank, 1, args=(args.model, args.steps),
-                                      timeout_s=args.timeout)[0])
+    profile, net, steps, cpus = _measure(args)
     if args.alpha_us is not None and args.beta_gbps is not None:
         net = Network(args.alpha_us * 1e-6, 1e-9 / args.beta_gbps, "given")
-    else:
+    elif net is None:
+        from mini_ddp.costmodel_profile import fit_network
+
         net = fit_network(2)
     report: dict[str, Any] = {"model": profile.model, "cpus": cpus, "network": asdict(net),
                               "profile": profile_to_dict(profile), "validation": [],
                               "predictions": []}
-    for n in args.world_sizes:
-        measured = run_ranks(steps_rank, n, args=(profile.model, args.steps),
-                             timeout_s=args.timeout)
-        got = {k: max(r[k] for r in measured) for k in measured[0]}
+    for n, got in sorted(steps.items()):
         scale = max(1.0, n / cpus)  # ranks sharing cores stretch computation
-        for engine, overlap in (("mini_ddp", True), ("torch_ddp", False)):
-            p = predict(profile, n, net, overlap=overlap, compute_scale=scale)
+        p = predict(profile, n, net, compute_scale=scale)  # both engines: the same model
+        for engine in ("mini_ddp", "torch_ddp"):
             report["validation"].append({
                 "world_size": n, "engine": engine, "compute_scale": scale,
                 "measured_ms": got[engine] * 1e3, "predicted_ms": p.step_s * 1e3,
-                "error": p.step_s / got[engine] - 1, "measured_compute_ms": got["compute"] * 1e3})
-    nets = {"fitted": net, **NETWORKS}
-    for key, network in nets.items():
+                "error": p.step_s / got[engine] - 1, "measured_compute_ms": got["compute"] * 1e3,
+                "predicted_exposed_ms": p.exposed_s * 1e3})
+    for key, network in {"fitted": net, **NETWORKS}.items():
         for cap in args.caps:
             for n in args.predict_sizes:
                 p = predict(profile, n, network, cap_mb=cap)
                 report["predictions"].append({"network": key, "cap_mb": cap, "world_size": n,
-                                              **{k[:-2] + "_ms": v * 1e3 for k, v in asdict(p).items()}})
+                                              **{k[:-2] + "_ms": v * 1e3
+                                                 for k, v in asdict(p).items()}})
     return report
 
 
@@ -179,7 +194,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  {v['world_size']:>14} {v['engine']:<10} {v['measured_ms']:>11.1f} "
                          f"{v['predicted_ms']:>13.1f} {v['error']:>+6.1%}  "
                          f"({v['compute_scale']:.2f})")
-    lines.append("# predictions (mini_ddp): network, cap MiB, world size: step ms / exposed ms")
+    lines.append("# predictions: network, cap MiB, world size: step ms / exposed ms")
     rows: dict[tuple, list[str]] = {}
     for p in report["predictions"]:
         rows.setdefault((p["network"], p["cap_mb"]), []).append(
@@ -233,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caps", default="default,1,5,25,100", help="bucket caps in MiB")
     p.add_argument("--alpha-us", type=float, help="with --beta-gbps: skip the fit")
     p.add_argument("--beta-gbps", type=float, help="1/beta in GB/s")
-    p.add_argument("--profile-json", help="reuse the profile of an earlier --json report")
+    p.add_argument("--profile-json", help="re-predict from an earlier --json report's "
+                   "profile, network and measured steps (measures nothing)")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", dest="plot_path")
     p.add_argument("--timeout", type=float, default=1800.0)

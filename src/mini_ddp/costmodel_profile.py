@@ -59,7 +59,7 @@ def measure_profile(model: str, steps: int = 5, warmup: int = 3) -> Profile:
 
     spec = BENCH_MODELS[model]
     torch.manual_seed(0)
-    engine = build_engine("mini_ddp_serial", spec.factory(), None, False)
+    engine = build_engine("mini_ddp", spec.factory(), None, False)
     batch = spec.make_batch(spec.batch, torch.Generator().manual_seed(0))
     rec = _Recorder()
     for _ in range(warmup):  # the bucket rebuild happens before forward 2
