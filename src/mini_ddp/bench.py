@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated, of {','.join(ENGINES)}")
     p.add_argument("--world-sizes", default="2,3,4")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per block")
-    p.add_argument("--blocks", type=int, default=15, help="blocks per engine")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per block")
+    p.add_argument("--blocks", type=int, default=20, help="blocks per engine")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine")
     p.add_argument("--mem-steps", type=int, default=3, help="measured steps per engine")
     p.add_argument("--mem-rounds", type=int, default=2, help="memory rounds (lowest kept)")

@@ -87,7 +87,8 @@ def buckets_for_cap(profile: Profile, cap_mb: float | None) -> tuple[list[float]
 
     Re-forms buckets over the arrival order with DDP's rule (an explicit cap applies to the
     first bucket too); a bucket is ready when its last gradient has arrived and been copied in
-    (copy-in time estimated from the measured copy-out rate).
+    (copy-in time estimated from the measured copy-out rate). Gradients are taken as float32,
+    as in every benchmark model (the cap counts bytes; only the dtype grouping would differ).
     """
     if cap_mb is None:
         return list(profile.bucket_ready_s), list(profile.bucket_bytes)
