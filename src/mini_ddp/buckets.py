@@ -14,8 +14,8 @@ Two things live here, and nothing about autograd or hooks:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +27,23 @@ logger = logging.getLogger(__name__)
 # user did not choose a cap). "MB" in DDP's arguments means MiB.
 DEFAULT_BUCKET_CAP_MB = 25
 MIB = 1024 * 1024
+
+Allocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+"""Makes a bucket's zero-filled flat buffer: ``allocate(numel, dtype, device)``."""
+
+
+def zeros_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The plain allocator: a private ``torch.zeros`` buffer."""
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many tensors (views included) share ``tensor``'s storage, plus one for the query.
+
+    The zero-copy write-back uses it to see whether anything besides the reducer's own views
+    still looks into a bucket buffer before it overwrites it.
+    """
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 def assign_buckets(
@@ -132,12 +149,13 @@ class Bucket:
     views: list[torch.Tensor]
     pending: int = 0
     future: torch.futures.Future | None = None
-    result_views: list[torch.Tensor] = field(default_factory=list)
     grad_bucket: Any = None  # the GradBucket handed to the comm hook at launch
+    handed_out: bool = False  # views were made ``.grad`` by the zero-copy write-back
+    base_refs: int = 0  # storage_use_count(buffer) while only this bucket looks into it
 
     @classmethod
-    def build(cls, index: int, param_indices: list[int], all_params: Sequence[torch.Tensor]
-              ) -> Bucket:
+    def build(cls, index: int, param_indices: list[int], all_params: Sequence[torch.Tensor],
+              allocate: Allocator = zeros_allocator) -> Bucket:
         """Allocate the flat buffer for ``param_indices`` (in that order) and its views."""
         params = [all_params[i] for i in param_indices]
         offsets, total = [], 0
@@ -145,10 +163,18 @@ class Bucket:
             offsets.append(total)
             total += p.numel()
         first = params[0]
-        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-        views = [_view_like(buffer, p, off) for p, off in zip(params, offsets, strict=True)]
-        return cls(index, list(param_indices), params, buffer, offsets, views,
-                   pending=len(params), result_views=views)
+        bucket = cls(index, list(param_indices), params, first.new_empty(0), offsets, [],
+                     pending=len(params))
+        bucket.replace_buffer(allocate(total, first.dtype, first.device))
+        return bucket
+
+    def replace_buffer(self, buffer: torch.Tensor) -> None:
+        """Move the bucket onto ``buffer`` (same size, zero-filled) and re-make its views."""
+        self.buffer = buffer
+        self.views = [_view_like(buffer, p, off) for p, off in zip(self.params, self.offsets,
+                                                                   strict=True)]
+        self.handed_out = False
+        self.base_refs = storage_use_count(buffer)
 
     @property
     def nbytes(self) -> int:
@@ -163,10 +189,11 @@ class Bucket:
                                                               strict=True)]
 
 
-def build_buckets(layout: list[list[int]], params: Sequence[torch.Tensor]
+def build_buckets(layout: list[list[int]], params: Sequence[torch.Tensor],
+                  allocate: Allocator = zeros_allocator
                   ) -> tuple[list[Bucket], list[tuple[int, int]]]:
     """Make the buckets for ``layout`` and a locator: param index -> (bucket, position)."""
-    buckets = [Bucket.build(i, indices, params) for i, indices in enumerate(layout)]
+    buckets = [Bucket.build(i, indices, params, allocate) for i, indices in enumerate(layout)]
     locator: list[tuple[int, int]] = [(-1, -1)] * len(params)
     for bucket in buckets:
         for pos, param_index in enumerate(bucket.param_indices):

@@ -55,6 +55,16 @@ class DataParallelConfig:
     waited for (``None``: wait forever). torch DDP has no such bound; it waits for the process
     group's timeout (30 min)."""
 
+    zero_copy_write_back: bool = True
+    """After the all-reduce, make ``param.grad`` the bucket's view instead of copying the bucket
+    into a separate ``.grad`` (DDP's default). Same bits, one gradient-sized copy less at the
+    end of every backward, and the separate ``.grad`` tensors are freed. Before the next
+    backward overwrites a bucket, the reducer checks that nothing but ``.grad`` looks into it
+    (a gradient saved without ``clone()``, a view of one); if something does, that bucket
+    moves to a fresh buffer, so saved gradients keep their values as under DDP. Applies to the
+    plain path only (not with ``find_unused_parameters``, ``static_graph`` or
+    ``gradient_as_bucket_view``, which keep DDP's rules). ``False``: copy, exactly as DDP."""
+
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"mini_ddp: bucket_cap_mb must be positive, got {self.bucket_cap_mb}")

@@ -52,7 +52,9 @@ class DataParallelModel(nn.Module, Joinable):
 
     mini_ddp additions (keyword-only): ``sync_timeout_s`` — the bound on waiting for one
     bucket's collective at the end of backward, and for the buffer broadcast before forward
-    (see :class:`DataParallelConfig` and docs/reliability.md).
+    (see :class:`DataParallelConfig` and docs/reliability.md); ``zero_copy_write_back`` —
+    ``.grad`` becomes a view of its bucket after the all-reduce instead of a copy of it (same
+    bits, one gradient-sized copy less per step; docs/performance.md).
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
@@ -66,7 +68,7 @@ class DataParallelModel(nn.Module, Joinable):
                  device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
                  bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *,
-                 sync_timeout_s: float | None = 300.0):
+                 sync_timeout_s: float | None = 300.0, zero_copy_write_back: bool = True):
         super().__init__()
         Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.join
         self._divide_by_initial_world_size = True
@@ -115,7 +117,7 @@ class DataParallelModel(nn.Module, Joinable):
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             init_sync=init_sync, init_sync_buffers=init_bufs, forward_sync_buffers=sync_fwd,
-            sync_timeout_s=sync_timeout_s)
+            sync_timeout_s=sync_timeout_s, zero_copy_write_back=zero_copy_write_back)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph

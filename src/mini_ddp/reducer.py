@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from mini_ddp import buckets as bucketing
+from mini_ddp.buckets import storage_use_count
 from mini_ddp.config import DataParallelConfig
 from mini_ddp.errors import (
     GradSyncTimeout,
@@ -61,6 +63,7 @@ class Reducer:
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig):
         self.params = list(params)
+        self.params_index = {id(p): i for i, p in enumerate(self.params)}
         self.names = list(names)
         self.group = group
         self.config = config
@@ -76,6 +79,12 @@ class Reducer:
                                 None] | None = None
         self.stall_after_s: float | None = None
         self.layout_history: list[list[list[int]]] = []  # every layout installed, oldest first
+        self.allocate: bucketing.Allocator = bucketing.zeros_allocator  # bucket buffers
+        # Zero-copy write-back: after the all-reduce, .grad becomes the bucket's view instead of
+        # a copy of it (see _hand_out). Only on the plain path; the unused-parameter paths and
+        # gradient_as_bucket_view keep their own rules, which are DDP's.
+        self.zero_copy = (config.zero_copy_write_back and not config.gradient_as_bucket_view
+                          and not config.find_unused_parameters and not config.static_graph)
         device = self.params[0].device
 
         # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
@@ -127,8 +136,20 @@ class Reducer:
 
     # ---- layout --------------------------------------------------------------------------
     def _install_buckets(self, layout: list[list[int]], rebuilt: bool = False) -> None:
-        self.buckets, self.locator = bucketing.build_buckets(layout, self.params)
+        # Gradients the zero-copy write-back left in the old buffers move along (unless someone
+        # else holds them), so later steps keep writing in place instead of copying.
+        movable = [(p, view) for bucket in getattr(self, "buckets", ()) if bucket.handed_out
+                   and not _held_elsewhere(bucket) for p, view in zip(bucket.params,
+                                                                       bucket.views, strict=True)
+                   if p.grad is view]
+        self.buckets, self.locator = bucketing.build_buckets(layout, self.params, self.allocate)
         self.layout_history.append([list(indices) for indices in layout])
+        for p, old_view in movable:
+            bucket = self.buckets[self.locator[self.params_index[id(p)]][0]]
+            new_view = bucket.views[self.locator[self.params_index[id(p)]][1]]
+            p.grad = new_view.copy_(old_view)
+            bucket.handed_out = True
+        del movable
         if self.config.gradient_as_bucket_view:
             # Gradients that already exist move into the new buffers (DDP does the same when
             # it rebuilds), so ``.grad`` is a bucket view from now on.
@@ -245,6 +266,8 @@ class Reducer:
                 self.trace.record("hook", param=index)
             if not self.marked_unused:
                 self.marked_unused = True
+                if self.zero_copy:
+                    self._reclaim_buffers()  # before anything is written into a bucket
                 for unused_index in self.unused:
                     self._mark_ready(unused_index)
             if self.config.static_graph:
@@ -286,11 +309,16 @@ class Reducer:
         if grad is None:
             view.zero_()  # marked ready without a gradient: contribute zeros
             return
-        if _shares_storage(grad, bucket.buffer):
-            # The gradient already *is* the bucket view (gradient_as_bucket_view): DDP divides
-            # in place here — a true division, not the multiplication below.
+        if grad is view or (self.config.gradient_as_bucket_view
+                            and _shares_storage(grad, bucket.buffer)):
+            # The gradient already *is* the bucket view, and autograd accumulated into it.
             if self.comm_hook is None:
-                view.div_(self.div_factor)
+                if self.config.gradient_as_bucket_view:
+                    view.div_(self.div_factor)  # DDP divides in place here: a true division
+                else:
+                    # Zero-copy write-back left it here: the default path's multiply, in
+                    # place — the same kernel and scalar as below, so the same bits.
+                    torch.mul(view, self._scale, out=view)
             return
         if self.comm_hook is not None:
             view.copy_(grad)  # a user hook does its own averaging
@@ -397,7 +425,10 @@ class Reducer:
                 if self.trace is not None:
                     self.trace.record("complete", bucket=bucket.index)
                 if plain and result is bucket.buffer:
-                    self._copy_out(bucket)
+                    if self.zero_copy:
+                        self._hand_out(bucket)
+                    else:
+                        self._copy_out(bucket)
                     continue
                 for param, index, view_in, view_out in zip(
                         bucket.params, bucket.param_indices, bucket.views,
@@ -428,6 +459,43 @@ class Reducer:
                                                         dtype=param.dtype, device=param.device)
             grads.append(grad)
         torch._foreach_copy_(grads, bucket.views)
+
+    @staticmethod
+    def _hand_out(bucket: bucketing.Bucket) -> None:
+        """Zero-copy write-back: make each ``.grad`` its view of the bucket, no copy.
+
+        DDP copies the bucket into ``.grad`` (a separate tensor) because the next backward
+        overwrites the bucket. We let ``.grad`` *be* the bucket view and instead make sure,
+        before the next backward writes into the buffer (:meth:`_reclaim_buffers`), that
+        nobody but ``.grad`` itself still looks at it. A gradient someone else holds keeps its
+        identity and gets a copy, as in DDP. Values are copies of the same bits either way.
+        """
+        for param, view in zip(bucket.params, bucket.views, strict=True):
+            grad = param.grad
+            if grad is view:
+                continue  # accumulated in place (zero_grad(set_to_none=False)): already there
+            if grad is None or _is_private(grad):
+                param.grad = view  # the tensor autograd made is dropped: nobody can see it
+            else:
+                grad.copy_(view)
+            del grad
+        bucket.handed_out = True
+
+    def _reclaim_buffers(self) -> None:
+        """Before a backward writes into buckets whose views were handed out as ``.grad``.
+
+        If anything besides ``.grad`` holds such a view (``saved = p.grad`` before
+        ``zero_grad()``, a hook's state…), writing this step's gradients into the buffer
+        would change the values it holds; DDP's separate ``.grad`` would not. That bucket
+        moves to a fresh buffer instead, and the old one stays with whoever holds it.
+        """
+        for bucket in self.buckets:
+            if bucket.handed_out:
+                if _held_elsewhere(bucket):
+                    bucket.replace_buffer(self.allocate(bucket.buffer.numel(),
+                                                        bucket.buffer.dtype,
+                                                        bucket.buffer.device))
+                bucket.handed_out = False
 
     def _write_back(self, param: torch.Tensor, view_in: torch.Tensor,
                     view_out: torch.Tensor) -> None:
@@ -486,6 +554,51 @@ class Reducer:
         if self.should_rebuild() and not self.rebuild_order:
             # Rebuild with the others before the next forward: DDP pushes every parameter.
             self.rebuild_order = list(range(len(self.params)))
+
+
+def _view_refs(bucket: bucketing.Bucket) -> list[int]:
+    """Python references to each of ``bucket``'s views, not counting its own ``.grad``."""
+    return [sys.getrefcount(v) - (p.grad is v) for p, v in zip(bucket.params, bucket.views,
+                                                                  strict=True)]
+
+
+def _grad_refs(grad: torch.Tensor) -> int:
+    return sys.getrefcount(grad)
+
+
+def _calibrate() -> tuple[int, int]:
+    """What :func:`_view_refs` and :func:`_grad_refs` read when nothing else holds a tensor.
+
+    Measured once on this interpreter rather than assumed: reference counts of arguments and
+    locals differ between Python versions.
+    """
+    param = torch.nn.Parameter(torch.zeros(2))
+    probe = bucketing.Bucket.build(0, [0], [param])
+    param.grad = probe.views[0]
+    view_refs = _view_refs(probe)[0]
+    param.grad = torch.zeros(2)
+    grad = param.grad
+    grad_refs = _grad_refs(grad)
+    return view_refs, grad_refs
+
+
+_VIEW_REFS, _GRAD_REFS = _calibrate()
+
+
+def _held_elsewhere(bucket: bucketing.Bucket) -> bool:
+    """Does anything besides the bucket and the ``.grad`` slots look into its buffer?"""
+    return (storage_use_count(bucket.buffer) != bucket.base_refs
+            or any(refs != _VIEW_REFS for refs in _view_refs(bucket)))
+
+
+def _is_private(grad: torch.Tensor) -> bool:
+    """Is ``grad`` (a parameter's ``.grad``, read into a local) seen by nobody else?
+
+    True for the tensor autograd just stored: no other Python reference, not a view, no view
+    of it anywhere (its storage is referenced by it alone), not part of a graph.
+    """
+    return (not grad.requires_grad and grad._base is None
+            and storage_use_count(grad) == 2 and _grad_refs(grad) == _GRAD_REFS + 1)
 
 
 def _hook_trampoline(reducer_ref: weakref.ref, index: int, *_grads: Any) -> None:
