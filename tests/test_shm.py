@@ -1,0 +1,280 @@
+"""The shared-memory all-reduce (mini_ddp.shm) is bitwise Gloo's SUM, and fails loudly, not slowly.
+
+Process start-up is the expensive part, so every world-size-2 case that leaves the peer alive
+runs inside one ``run_ranks`` call: the ranks compare against ``dist.all_reduce`` themselves
+(``torch.equal`` and the raw bits) and return verdicts plus a digest of each result, so the
+parent can also check that both ranks ended with the same bytes. A second call kills rank 1;
+two tiny ones check that other world sizes get no transport.
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mini_ddp.buckets import storage_use_count
+from mini_ddp.shm import (
+    FILE_PREFIX,
+    SHM_DIR,
+    SharedMemoryAllreduce,
+    ShmAllocationError,
+    ShmDesyncError,
+    ShmError,
+    shm_supported,
+)
+from mini_ddp.spawn import RanksFailed, run_ranks
+
+DTYPES = (torch.float32, torch.float64)
+STEPS = 3  # the same buffers reduced again, with new data, step after step
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _sizes(dtype: torch.dtype) -> list[int]:
+    """Empty, tiny, odd, a prime above 2**16, and about 4 MiB (odd, so the halves differ)."""
+    return [0, 1, 2, 3, 1000, 65537, (4 << 20) // dtype.itemsize + 3]
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Different random values per rank over the whole exponent range, subnormals included,
+    plus -0.0, infinities and pairs whose sum overflows, never inf + -inf (NaN payloads are
+    the one thing commutativity does not pin down)."""
+    g = torch.Generator().manual_seed(10_000 * seed + rank)
+    finfo = torch.finfo(dtype)
+    low, high = (-149, 127) if dtype == torch.float32 else (-1074, 1023)  # subnormal..max
+    mantissa = torch.rand(numel, generator=g, dtype=torch.float64) * 2 - 1  # |m| < 1: finite
+    wide = torch.randint(low, high + 1, (numel,), generator=g)
+    narrow = torch.randint(-8, 9, (numel,), generator=g)  # similar exponents: real roundings
+    use_wide = torch.rand(numel, generator=g) < 0.3
+    x = torch.ldexp(mantissa, torch.where(use_wide, wide, narrow)).to(dtype)
+    i = torch.arange(numel)
+    x[i % 97 == 0] = -0.0  # -0 + -0 = -0
+    if rank == 0:
+        x[i % 97 == 1] = -0.0  # -0 + x
+        x[i % 89 == 5] = float("inf")  # inf + finite
+    else:
+        x[i % 89 == 7] = -float("inf")  # finite + -inf
+    x[i % 89 == 6] = -float("inf")  # -inf + -inf
+    x[i % 83 == 3] = finfo.max * 0.75  # overflows to inf
+    x[i % 83 == 4] = finfo.tiny / 4  # subnormal + subnormal
+    return x
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+def _token_maps(token: str) -> int:
+    """How many of this process's memory mappings are files of the transport ``token``."""
+    with open("/proc/self/maps") as f:
+        return sum(f"{FILE_PREFIX}{token}_" in line for line in f)
+
+
+def _outcome(fn) -> tuple[str, str, float]:
+    """(exception type or 'ok', message, seconds) of ``fn()``."""
+    started = time.monotonic()
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        return type(err).__name__, str(err), time.monotonic() - started
+    return "ok", "", time.monotonic() - started
+
+
+def _two_ranks(ctx) -> dict:
+    """Rank body: parity with Gloo, then free/close/bad input, then the desync cases."""
+    rank, out = ctx.rank, {"tokens": []}
+    assert SharedMemoryAllreduce.create(dist.new_group([0, 1])) is None, "only the default group"
+    shm = SharedMemoryAllreduce.create()
+    assert shm is not None
+    out["tokens"].append(shm.token)
+
+    cases = [(n, dtype) for dtype in DTYPES for n in _sizes(dtype)]
+    bufs = [shm.allocate(n, dtype) for n, dtype in cases]
+    out["fresh"] = [(tuple(b.shape), str(b.dtype), bool(b.eq(0).all()), b.is_contiguous())
+                    for b in bufs]
+    out["parity"] = []
+    for step in range(STEPS):
+        wants = []
+        for i, ((n, dtype), buf) in enumerate(zip(cases, bufs, strict=True)):
+            buf.copy_(_data(rank, n, dtype, seed=100 * step + i))
+            wants.append(buf.clone())
+        futs = [shm.all_reduce(buf) for buf in bufs]  # all in flight before any wait
+        for want in wants:  # Gloo on the default group, from this thread, meanwhile
+            dist.all_reduce(want)
+        for fut, buf, want, (n, dtype) in zip(futs, bufs, wants, cases, strict=True):
+            value = fut.wait()
+            bits_equal = torch.equal(buf.view(_BITS[dtype]), want.view(_BITS[dtype]))
+            out["parity"].append({
+                "case": f"step {step}, {n} x {dtype}", "same_object": value[0] is buf,
+                "equal": torch.equal(buf, want), "bits_equal": bits_equal,
+                "mismatches": int((buf.view(_BITS[dtype]) != want.view(_BITS[dtype])).sum()),
+                "digest": _digest(buf), "use_count": storage_use_count(buf)})
+            del value
+        del futs
+
+    # Bad input fails at the call, naming what was passed.
+    out["bad"] = [_outcome(lambda: shm.all_reduce(torch.zeros(3)))[:2],
+                  _outcome(lambda view=bufs[4][1:]: shm.all_reduce(view))[:2],
+                  _outcome(lambda: shm.allocate(-1, torch.float32))[:2]]
+
+    # free() drops the transport's references: the own and the peer mapping both go away.
+    extra = shm.allocate(1000, torch.float32)
+    extra.fill_(rank + 1)
+    shm.all_reduce(extra).wait()
+    out["extra"] = extra[:3].tolist()
+    maps_before = _token_maps(shm.token)
+    shm.free(extra)
+    out["after_free"] = _outcome(lambda t=extra: shm.all_reduce(t))[:2]
+    del extra
+    gc.collect()
+    out["maps_freed"] = maps_before - _token_maps(shm.token)
+
+    # An allocation that fails on one rank (its file name is taken) fails on both; the
+    # transport stays usable.
+    decoy = os.path.join(SHM_DIR, f"{FILE_PREFIX}{shm.token}_r1_s{shm._next_slot}")
+    if rank == 1:
+        Path(decoy).touch()
+    out["alloc_error"] = _outcome(lambda: shm.allocate(10, torch.float64))[:2]
+    if rank == 1:
+        os.unlink(decoy)
+    after = shm.allocate(5, torch.float64)
+    after.fill_(rank + 0.5)
+    shm.all_reduce(after).wait()
+    out["after_alloc_error"] = after.tolist()
+    del after
+
+    shm.close()
+    shm.close()  # idempotent
+    out["closed"] = _outcome(lambda t=bufs[0]: shm.all_reduce(t))[:2]
+    del bufs
+
+    # Desync 1: the ranks reduce different buffers. Both futures fail; so does the next call.
+    shm = SharedMemoryAllreduce.create()
+    out["tokens"].append(shm.token)
+    a, b = shm.allocate(10, torch.float32), shm.allocate(20, torch.float32)
+    fut = shm.all_reduce(a if rank == 0 else b)
+    out["desync_reduce"] = _outcome(fut.wait)
+    out["desync_next"] = _outcome(shm.all_reduce(a).wait)
+    shm.close()
+    # Desync 2: allocate with different arguments raises at once on both ranks.
+    shm = SharedMemoryAllreduce.create()
+    out["tokens"].append(shm.token)
+    out["desync_allocate"] = _outcome(
+        lambda: shm.allocate(10, torch.float32) if rank == 0 else shm.allocate(11, torch.float64))
+    shm.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_two_ranks, 2, timeout_s=120)
+
+
+def test_bitwise_equal_to_gloo_on_both_ranks(two_ranks: list[dict]) -> None:
+    for rank, out in enumerate(two_ranks):
+        for row in out["parity"]:
+            assert row["same_object"], (rank, row["case"])
+            assert row["equal"] and row["bits_equal"], (rank, row["case"], row["mismatches"])
+            assert row["use_count"] == 2, (rank, row["case"], "a view of the buffer lingers")
+    expected_rows = STEPS * sum(len(_sizes(d)) for d in DTYPES)
+    assert len(two_ranks[0]["parity"]) == expected_rows
+    digests = [[row["digest"] for row in out["parity"]] for out in two_ranks]
+    assert digests[0] == digests[1], "the two ranks ended with different bytes"
+
+
+def test_allocate_gives_zeroed_flat_buffers(two_ranks: list[dict]) -> None:
+    want = [((n,), str(d), True, True) for d in DTYPES for n in _sizes(d)]
+    for out in two_ranks:
+        assert [tuple(x) for x in out["fresh"]] == want
+        assert out["extra"] == [3.0, 3.0, 3.0]
+
+
+def test_bad_input_free_and_close(two_ranks: list[dict]) -> None:
+    for out in two_ranks:
+        (kind0, msg0), (kind1, msg1), (kind2, _) = out["bad"]
+        assert kind0 == "ValueError" and "shape (3,)" in msg0
+        assert kind1 == "ValueError" and "not a view" in msg1
+        assert kind2 == "ValueError"
+        assert out["after_free"][0] == "ValueError"
+        assert out["maps_freed"] == 2, "free() left the own or the peer mapping alive"
+        assert out["closed"][0] == "ShmError" and "closed" in out["closed"][1]
+
+
+def test_failed_allocation_fails_on_both_ranks_and_transport_survives(
+        two_ranks: list[dict]) -> None:
+    for out in two_ranks:
+        kind, message = out["alloc_error"]
+        assert kind == ShmAllocationError.__name__, message
+        assert "rank 1 could not create" in message
+        assert out["after_alloc_error"] == [2.0] * 5
+
+
+def test_desync_is_a_clear_error_on_both_ranks(two_ranks: list[dict]) -> None:
+    for out in two_ranks:
+        kind, message, _ = out["desync_reduce"]
+        assert kind == ShmDesyncError.__name__, message
+        assert "rank 0 called all_reduce on slot 0 (10 elements of float32)" in message
+        assert "rank 1 called all_reduce on slot 1 (20 elements of float32)" in message
+        kind, message, _ = out["desync_next"]
+        assert kind == ShmError.__name__ and "failed earlier" in message
+        kind, message, _ = out["desync_allocate"]
+        assert kind == ShmDesyncError.__name__, message
+        assert "rank 0 called allocate on slot 0 (10 elements of float32)" in message
+        assert "rank 1 called allocate on slot 0 (11 elements of float64)" in message
+
+
+def test_no_files_left_in_dev_shm(two_ranks: list[dict]) -> None:
+    assert len(set(two_ranks[0]["tokens"])) == 3 and two_ranks[0]["tokens"] == two_ranks[1][
+        "tokens"]
+    for token in two_ranks[0]["tokens"]:
+        assert glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{token}*")) == []
+
+
+def _other_world_size(ctx) -> bool:
+    return SharedMemoryAllreduce.create() is None
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_no_transport_unless_two_ranks(world_size: int) -> None:
+    assert run_ranks(_other_world_size, world_size, timeout_s=60) == [True] * world_size
+
+
+def _dead_peer(ctx, outdir: str) -> None:
+    shm = SharedMemoryAllreduce.create()
+    buf = shm.allocate(1000, torch.float32)
+    Path(outdir, f"token{ctx.rank}").write_text(shm.token)
+    if ctx.rank == 1:
+        time.sleep(0.5)  # rank 0 is waiting in the ready sync by now
+        os._exit(1)
+    buf.fill_(1.0)
+    first = _outcome(shm.all_reduce(buf).wait)
+    second = _outcome(shm.all_reduce(buf).wait)
+    Path(outdir, "rank0.json").write_text(json.dumps({"first": first, "second": second}))
+
+
+def test_dead_peer_fails_the_future_in_bounded_time(tmp_path: Path) -> None:
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_dead_peer, 2, args=(str(tmp_path),), timeout_s=60, collective_timeout_s=20)
+    assert set(failed.value.failures) == {1}, failed.value.failures
+    report = json.loads(Path(tmp_path, "rank0.json").read_text())
+    kind, message, seconds = report["first"]
+    assert kind == "CollectiveError" and "shared-memory all-reduce" in message, message
+    assert seconds < 30, seconds
+    kind, message, seconds = report["second"]
+    assert kind == "ShmError" and "failed earlier" in message, message
+    assert seconds < 30, seconds
+    token = Path(tmp_path, "token0").read_text()
+    assert glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{token}*")) == []
+
+
+def test_shm_supported() -> None:
+    assert shm_supported(torch.float32) and shm_supported(torch.float64)
+    assert not shm_supported(torch.float16) and not shm_supported(torch.int64)
