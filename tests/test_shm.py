@@ -278,3 +278,35 @@ def test_dead_peer_fails_the_future_in_bounded_time(tmp_path: Path) -> None:
 def test_shm_supported() -> None:
     assert shm_supported(torch.float32) and shm_supported(torch.float64)
     assert not shm_supported(torch.float16) and not shm_supported(torch.int64)
+
+
+def _renewals(ctx) -> dict:
+    """Step by step, some rank renews its buffer (keeping a view of the old one); every step's
+    result must still equal Gloo's, and the old buffer must keep what it held."""
+    shm = SharedMemoryAllreduce.create()
+    buf = shm.allocate(1001, torch.float32)
+    renew_on = {1: {0}, 2: {1}, 3: {0, 1}, 4: {0}, 5: set()}  # step -> ranks that renew first
+    kept, verdicts = [], []
+    for step in range(6):
+        if ctx.rank in renew_on.get(step, set()):
+            old = buf[1:]  # someone still looks at last step's result
+            kept.append((old, old.clone()))
+            buf = shm.renew(buf)
+            assert torch.count_nonzero(buf) == 0 and not shm.owns(old._base)
+        data = _data(ctx.rank, buf.numel(), buf.dtype, seed=step)
+        buf.copy_(data)
+        expected = data.clone()
+        dist.all_reduce(expected)
+        shm.all_reduce(buf).wait()
+        verdicts.append(torch.equal(buf.view(torch.int32), expected.view(torch.int32)))
+    intact = all(torch.equal(a, b) for a, b in kept)
+    shm.close()
+    return {"verdicts": verdicts, "intact": intact, "kept": len(kept), "token": shm.token}
+
+
+def test_renew_keeps_old_buffer_and_stays_bitwise() -> None:
+    results = run_ranks(_renewals, 2, timeout_s=60)
+    for rank, result in enumerate(results):
+        assert all(result["verdicts"]), (rank, result["verdicts"])
+        assert result["intact"] and result["kept"] == (3, 2)[rank], (rank, result)
+    assert glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{results[0]['token']}*")) == []

@@ -232,6 +232,11 @@ class SharedMemoryAllreduce:
         self._slots: dict[int, int] = {}  # id(own buffer) -> slot
         self._own: dict[int, torch.Tensor] = {}
         self._peer: dict[int, torch.Tensor] = {}
+        # renew(): a slot's generation on each side, and our renewed files the peer has not
+        # mapped yet (unlinked after the next done sync of that slot, when it has).
+        self._own_gen: dict[int, int] = {}
+        self._peer_gen: dict[int, int] = {}
+        self._unmapped: dict[int, str] = {}
         self._failure: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()  # guards _closed against concurrent submit/close
@@ -345,10 +350,42 @@ class SharedMemoryAllreduce:
         if not shm_supported(tensor.dtype):
             raise ValueError(f"all_reduce: the shared-memory transport sums float32 and float64 "
                              f"only, not {tensor.dtype}")
-        own, peer = tensor, self._peer[slot]
+        own = tensor
         with self._lock:
             self._check_open("all_reduce")
-            return self._submit(lambda: self._reduce(slot, own, peer))
+            return self._submit(lambda: self._reduce(slot, own))
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a live buffer of this transport (the object itself)."""
+        slot = self._slots.get(id(tensor))
+        return slot is not None and self._own.get(slot) is tensor
+
+    def renew(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Give the slot of ``tensor`` a fresh zero-filled buffer; return it. Local, no sync.
+
+        For a caller that cannot overwrite the old buffer (someone still looks into it): the
+        old tensor stays valid and becomes an ordinary tensor, no longer reduced. The peer
+        learns of the new buffer at the next ready sync of the slot (each rank announces its
+        buffer's generation there) and maps it then; the new file is unlinked after that
+        reduction's done sync. Call it only while no reduction of the slot is in flight.
+        """
+        self._check_open("renew")
+        slot = self._slot_of(tensor, "renew")
+        gen = self._own_gen.get(slot, 0) + 1
+        path = self._path(self.rank, slot, gen)
+        try:
+            fresh = _map(path, tensor.numel(), tensor.dtype, create=True)
+        except OSError as err:
+            raise ShmAllocationError(f"mini_ddp: rank {self.rank} could not create {path}: "
+                                     f"{err}") from err
+        with self._lock:
+            stale = self._unmapped.pop(slot, None)
+            if stale is not None:
+                _unlink(stale)  # renewed twice before a reduction: the peer never maps it
+            del self._slots[id(tensor)]
+            self._slots[id(fresh)] = slot
+            self._own[slot], self._own_gen[slot], self._unmapped[slot] = fresh, gen, path
+        return fresh
 
     def free(self, tensor: torch.Tensor) -> None:
         """Forget the buffer ``tensor`` (from :meth:`allocate`) and its mapping of the peer's.
@@ -359,6 +396,9 @@ class SharedMemoryAllreduce:
         """
         slot = self._slot_of(tensor, "free")
         del self._slots[id(tensor)], self._own[slot], self._peer[slot]
+        stale = self._unmapped.pop(slot, None)
+        if stale is not None:
+            _unlink(stale)
 
     def close(self) -> None:
         """Finish the queued work, stop the worker thread and drop every buffer. Idempotent.
@@ -375,6 +415,9 @@ class SharedMemoryAllreduce:
         self._slots.clear()
         self._own.clear()
         self._peer.clear()
+        for path in self._unmapped.values():
+            _unlink(path)
+        self._unmapped.clear()
 
     # ----------------------------------------------------------------------------- internals
     def _check_open(self, what: str) -> None:
@@ -439,15 +482,20 @@ class SharedMemoryAllreduce:
             raise CollectiveError(self.rank, f"the shared-memory all-reduce ({what})",
                                   err) from err
 
-    def _ready(self, op: int, slot: int, numel: int, dtype: torch.dtype) -> None:
-        """Both ranks are at the same call: raise ShmDesyncError (on both) if they are not."""
-        rows = torch.zeros(2, 4, dtype=torch.int64)
-        rows[self.rank] = torch.tensor([op, slot, numel, _dtype_code(dtype)])
+    def _ready(self, op: int, slot: int, numel: int, dtype: torch.dtype) -> int:
+        """Both ranks are at the same call: raise ShmDesyncError (on both) if they are not.
+
+        Also exchanges the slot's buffer generation (see :meth:`renew`); returns the peer's.
+        """
+        rows = torch.zeros(2, 5, dtype=torch.int64)
+        rows[self.rank] = torch.tensor([op, slot, numel, _dtype_code(dtype),
+                                        self._own_gen.get(slot, 0)])
         self._collective(f"{_OPS[op]} of slot {slot}, ready sync", rows, dist.ReduceOp.SUM)
-        if not torch.equal(rows[0], rows[1]):
+        if not torch.equal(rows[0, :4], rows[1, :4]):
             told = {r: (_OPS.get(int(row[0]), "?"), int(row[1]), int(row[2]),
                         _dtype_name(int(row[3]))) for r, row in enumerate(rows)}
             raise ShmDesyncError(self.rank, told)
+        return int(rows[self.peer, 4])
 
     def _agree(self, what: str, ok: bool) -> bool:
         """Whether ``ok`` holds on both ranks."""
@@ -455,8 +503,9 @@ class SharedMemoryAllreduce:
         self._collective(what, flag, dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _path(self, rank: int, slot: int) -> str:
-        return os.path.join(SHM_DIR, f"{FILE_PREFIX}{self.token}_r{rank}_s{slot}")
+    def _path(self, rank: int, slot: int, gen: int = 0) -> str:
+        return os.path.join(SHM_DIR, f"{FILE_PREFIX}{self.token}_r{rank}_s{slot}"
+                            + (f"_g{gen}" if gen else ""))
 
     def _allocate(self, slot: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         self._ready(_ALLOCATE, slot, numel, dtype)
@@ -505,17 +554,25 @@ class SharedMemoryAllreduce:
                 # A Gloo failure: the peer may be dead and unable to remove its own file.
                 _unlink(theirs)
 
-    def _reduce(self, slot: int, own: torch.Tensor, peer: torch.Tensor) -> list[torch.Tensor]:
+    def _reduce(self, slot: int, own: torch.Tensor) -> list[torch.Tensor]:
         n = own.numel()
-        self._ready(_ALL_REDUCE, slot, n, own.dtype)
+        peer_gen = self._ready(_ALL_REDUCE, slot, n, own.dtype)
         lo, hi = (0, n // 2) if self.rank == 0 else (n // 2, n)
         ok = False
         try:
-            _sum_range(own, peer, lo, hi)
+            if peer_gen != self._peer_gen.get(slot, 0):  # the peer renewed its buffer: map it
+                self._peer[slot] = _map(self._path(self.peer, slot, peer_gen), n, own.dtype,
+                                        create=False)
+                self._peer_gen[slot] = peer_gen
+            _sum_range(own, self._peer[slot], lo, hi)
             ok = True
         finally:
             # Join the done sync even if the sum failed, so the peer does not wait for us.
             both = self._agree(f"all_reduce of slot {slot}, done sync", ok)
+            with self._lock:
+                renewed = self._unmapped.pop(slot, None)
+            if renewed is not None:
+                _unlink(renewed)  # the peer mapped it before its done sync (or gave up)
         if not both:
             raise ShmError(f"mini_ddp: rank {self.rank}: rank {self.peer} failed to sum its half "
                            f"of slot {slot}")
