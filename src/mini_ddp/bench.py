@@ -16,6 +16,7 @@ Usage: ``python -m mini_ddp bench --json bench.json --plot docs/img/bench_sweep.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
@@ -29,7 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mini_ddp.bench_models import BENCH_MODELS, ENGINES, Engine, build_engine, memory_report
+from mini_ddp.bench_models import (
+    ABLATIONS,
+    BENCH_MODELS,
+    ENGINES,
+    Engine,
+    build_engine,
+    memory_report,
+)
+from mini_ddp.buckets import MIB
 from mini_ddp.spawn import RankContext, run_ranks
 
 logger = logging.getLogger("mini_ddp.bench")
@@ -58,8 +67,32 @@ def _time_blocks(engines: dict[str, Engine], batches: list, steps: int, blocks: 
     return out
 
 
-def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def steady_malloc() -> bool:
+    """Stop glibc from handing freed heap back to the OS between steps (all engines alike).
+
+    A training step frees and re-allocates the same gradient-sized blocks. glibc's *dynamic*
+    thresholds decide, from the history of the process, whether such a block is trimmed off
+    the heap or unmapped when freed; if so, every page of its next allocation faults again
+    (~14 000 faults, +28 ms a step for the 20 M MLP, measured). Which engine trips it depends on
+    what ran before in the same process, so it would add a systematic error to one engine's
+    time. Fixed thresholds (mmap above 32 MiB, trim above 1 GiB) make every engine reuse its
+    memory; for training outside the benchmark, glibc's ``MALLOC_TRIM_THRESHOLD_`` /
+    ``MALLOC_MMAP_THRESHOLD_`` or jemalloc/tcmalloc do the same. Returns False if not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters, <malloc.h>
+    return bool(libc.mallopt(m_mmap_threshold, 32 * MIB) and libc.mallopt(m_trim_threshold,
+                                                                              1 << 30))
+
+
+def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]], malloc: str
+                ) -> list[dict[str, Any]]:
     """Rank body: run every job (a model's comparison, or one bucket-cap sweep point)."""
+    if malloc == "steady" and not steady_malloc():
+        logger.warning("bench: not glibc; --malloc steady has no effect")
     results = []
     for job in jobs:
         spec = BENCH_MODELS[job["model"]]
@@ -134,7 +167,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for ws in args.world_sizes:
         jobs = _jobs(args, ws)
         logger.info("world size %d: %d jobs", ws, len(jobs))
-        per_rank = run_ranks(_bench_rank, ws, args=(jobs,), timeout_s=args.timeout)
+        per_rank = run_ranks(_bench_rank, ws, args=(jobs, args.malloc), timeout_s=args.timeout)
         for j, job in enumerate(jobs):
             row = {"world_size": ws, "model": job["model"], "bucket_cap_mb": job["cap"],
                    "oversubscribed": ws > cpus, **summarize([r[j]["blocks"] for r in per_rank]),
@@ -172,7 +205,8 @@ def format_report(report: dict[str, Any]) -> str:
     """The tables printed at the end: one row per model, world size and engine; the sweep."""
     m = report["machine"]
     lines = [f"# {m['cpus']} CPUs, {m['platform']}, torch {m['torch']}, {m['backend']}, load "
-             f"avg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} (* oversubscribed)",
+             f"avg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} (* oversubscribed), "
+             f"malloc {report['settings'].get('malloc', 'default')}",
              "# model        ws engine                step ms  /ddp  /compute  exposed ms   cpu ms"
              "  cpu/ddp  tensor MiB  RSS+ MiB"]
     for r in report["results"]:
@@ -223,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="resnet18,mlp20m,transformer",
                    help=f"comma-separated, of {','.join(BENCH_MODELS)}")
     p.add_argument("--engines", default=",".join(ENGINES),
-                   help=f"comma-separated, of {','.join(ENGINES)}")
+                   help=f"comma-separated, of {','.join(ENGINES)}; ablations: "
+                   f"{','.join(ABLATIONS)}")
     p.add_argument("--world-sizes", default="2,3,4")
     p.add_argument("--steps", type=int, default=1, help="timed steps per block")
     p.add_argument("--blocks", type=int, default=20, help="blocks per engine")
@@ -239,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="1 step x 3 blocks, world size 2, sweep caps 1,25: minutes, not hours")
+    p.add_argument("--malloc", choices=("steady", "default"), default="steady",
+                   help="steady: fixed glibc thresholds in the ranks, so no engine pays for "
+                   "page faults the allocator's history decides (see steady_malloc)")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", dest="plot_path", help="bucket-sweep PNG")
     p.add_argument("--timeout", type=float, default=7200.0)
@@ -248,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         args.world_sizes, args.sweep_caps = "2", "1,25"
     args.models, args.engines = _list(args.models), _list(args.engines)
     args.world_sizes, args.sweep_caps = _list(args.world_sizes, int), _list(args.sweep_caps, float)
-    if bad := (set(args.models) - set(BENCH_MODELS)) | (set(args.engines) - set(ENGINES)):
+    if bad := (set(args.models) - set(BENCH_MODELS)) | (set(args.engines) - set(ENGINES)
+                                                            - set(ABLATIONS)):
         p.error(f"unknown models or engines: {sorted(bad)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     report = run_benchmark(args)

@@ -101,6 +101,8 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 ENGINES = ("torch_ddp", "mini_ddp", "naive", "compute")
+# Ablations, on request (--engines): mini_ddp with one of its own speed-ups switched off.
+ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False}}
 
 
 @dataclass
@@ -135,12 +137,13 @@ def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool) -> E
     if name == "torch_ddp":
         model: nn.Module = DistributedDataParallel(module, bucket_cap_mb=cap,
                                                    gradient_as_bucket_view=gabv)
-    elif name == "mini_ddp":
-        model = DataParallelModel(module, bucket_cap_mb=cap, gradient_as_bucket_view=gabv)
+    elif name == "mini_ddp" or name in ABLATIONS:
+        model = DataParallelModel(module, bucket_cap_mb=cap, gradient_as_bucket_view=gabv,
+                                  **ABLATIONS.get(name, {}))
     elif name in ("naive", "compute"):
         model = module
     else:
-        raise ValueError(f"unknown engine {name!r}; choose from {ENGINES}")
+        raise ValueError(f"unknown engine {name!r}; choose from {ENGINES + tuple(ABLATIONS)}")
     return Engine(name, model, torch.optim.SGD(model.parameters(), lr=1e-4), gabv)
 
 
@@ -152,7 +155,7 @@ def tensor_bytes(engine: Engine) -> int:
             if t is not None:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     extra = 0
-    if isinstance(engine.model, DataParallelModel):
+    if isinstance(engine.model, DataParallelModel):  # (zero-copy .grad shares their storage)
         for bucket in engine.model.reducer.buckets:
             storages[bucket.buffer.untyped_storage().data_ptr()] = bucket.nbytes
     elif isinstance(engine.model, DistributedDataParallel) and not engine.gabv:
