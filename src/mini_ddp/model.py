@@ -29,6 +29,7 @@ from mini_ddp.config import DataParallelConfig
 from mini_ddp.errors import naming_collective
 from mini_ddp.hooks import CommHook, check_comm_hook, hook_name, prepare_comm_hook
 from mini_ddp.reducer import Reducer
+from mini_ddp.shm import SharedMemoryAllreduce
 
 logger = logging.getLogger("mini_ddp")
 
@@ -54,7 +55,9 @@ class DataParallelModel(nn.Module, Joinable):
     bucket's collective at the end of backward, and for the buffer broadcast before forward
     (see :class:`DataParallelConfig` and docs/reliability.md); ``zero_copy_write_back`` —
     ``.grad`` becomes a view of its bucket after the all-reduce instead of a copy of it (same
-    bits, one gradient-sized copy less per step; docs/performance.md).
+    bits, one gradient-sized copy less per step; docs/performance.md);
+    ``shared_memory_allreduce`` / ``shared_memory_min_bytes`` — two CPU ranks on one machine sum
+    buckets of at least that size through shared memory instead of Gloo (same bits).
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
@@ -68,7 +71,8 @@ class DataParallelModel(nn.Module, Joinable):
                  device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
                  bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *,
-                 sync_timeout_s: float | None = 300.0, zero_copy_write_back: bool = True):
+                 sync_timeout_s: float | None = 300.0, zero_copy_write_back: bool = True,
+                 shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20):
         super().__init__()
         Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.join
         self._divide_by_initial_world_size = True
@@ -117,7 +121,9 @@ class DataParallelModel(nn.Module, Joinable):
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             init_sync=init_sync, init_sync_buffers=init_bufs, forward_sync_buffers=sync_fwd,
-            sync_timeout_s=sync_timeout_s, zero_copy_write_back=zero_copy_write_back)
+            sync_timeout_s=sync_timeout_s, zero_copy_write_back=zero_copy_write_back,
+            shared_memory_allreduce=shared_memory_allreduce,
+            shared_memory_min_bytes=shared_memory_min_bytes)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -125,8 +131,14 @@ class DataParallelModel(nn.Module, Joinable):
         if init_sync:
             verify_params_across_ranks(named, self.process_group)
             self._broadcast_module_states(include_buffers=init_bufs)
+        self.transport = None
+        if self.config.shared_memory_allreduce and self.device_type == "cpu":
+            # Collective on the default group when it has two Gloo ranks; None otherwise.
+            self.transport = SharedMemoryAllreduce.create(self.process_group)
+            if self.transport is not None:  # its worker thread must not outlive the model
+                weakref.finalize(self, self.transport.close, wait=False)
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
-                               self.process_group, self.config)
+                               self.process_group, self.config, self.transport)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._delay_all_reduce_enqueued = False
@@ -212,6 +224,8 @@ class DataParallelModel(nn.Module, Joinable):
             logger.info("mini_ddp: buckets rebuilt in gradient-ready order.")
         if self.will_sync_module_buffers():
             self._sync_buffers()
+        # Join's shadow all-reduces go through Gloo: so does every rank's backward meanwhile.
+        self.reducer.use_transport = self.transport is not None and not self._join_config.enable
         if self._join_config.enable:
             joining.announce_backward_sync(self, joined=False)
         if self.device_ids:

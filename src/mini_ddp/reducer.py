@@ -9,7 +9,8 @@ Follow one gradient through a step:
    bucket down. A full bucket is launched as soon as every earlier bucket has been
    (:meth:`start_grad_sync`): always in bucket order, so every rank issues the same collectives
    in the same order.
-3. The launch goes through the comm-hook door (:mod:`mini_ddp.hooks`); the future is kept.
+3. The launch goes through the comm-hook door (:mod:`mini_ddp.hooks`) — or, for two ranks on
+   one machine, through shared memory (:mod:`mini_ddp.shm`, same bits); the future is kept.
 4. When the last bucket has launched, :meth:`finish_grad_sync` is queued on the autograd engine.
    It runs when backward ends, waits for every bucket in :meth:`_wait` (the only place that
    blocks, with a deadline), and writes the results back into ``param.grad``.
@@ -36,6 +37,7 @@ from mini_ddp import buckets as bucketing
 from mini_ddp.buckets import storage_use_count
 from mini_ddp.config import DataParallelConfig
 from mini_ddp.errors import (
+    CollectiveError,
     GradSyncTimeout,
     MarkedTwiceError,
     MiniDDPError,
@@ -44,6 +46,7 @@ from mini_ddp.errors import (
     naming_collective,
 )
 from mini_ddp.hooks import CommHook, GradBucket, allreduce_sum_hook, hook_name, result_tensor
+from mini_ddp.shm import SharedMemoryAllreduce, ShmAllocationError, ShmError, shm_supported
 
 logger = logging.getLogger("mini_ddp")
 
@@ -61,7 +64,8 @@ class Reducer:
     """Buckets, hooks and the per-step state machine of gradient synchronisation."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
-                 group: dist.ProcessGroup | None, config: DataParallelConfig):
+                 group: dist.ProcessGroup | None, config: DataParallelConfig,
+                 transport: SharedMemoryAllreduce | None = None):
         self.params = list(params)
         self.params_index = {id(p): i for i, p in enumerate(self.params)}
         self.names = list(names)
@@ -79,7 +83,10 @@ class Reducer:
                                 None] | None = None
         self.stall_after_s: float | None = None
         self.layout_history: list[list[list[int]]] = []  # every layout installed, oldest first
-        self.allocate: bucketing.Allocator = bucketing.zeros_allocator  # bucket buffers
+        # Two ranks on one host: big float buckets live in shared memory and are summed there.
+        self.transport = transport
+        self.use_transport = transport is not None  # off while Join runs (model.forward)
+        self.allocate: bucketing.Allocator = self._allocate_bucket
         # Zero-copy write-back: after the all-reduce, .grad becomes the bucket's view instead of
         # a copy of it (see _hand_out). Only on the plain path; the unused-parameter paths and
         # gradient_as_bucket_view keep their own rules, which are DDP's.
@@ -135,6 +142,26 @@ class Reducer:
         self._scale = torch.tensor(1.0 / value, dtype=torch.float64)
 
     # ---- layout --------------------------------------------------------------------------
+    def _allocate_bucket(self, numel: int, dtype: torch.dtype, device: torch.device
+                         ) -> torch.Tensor:
+        """A bucket's zero-filled buffer: shared memory when the transport will sum it."""
+        nbytes = numel * dtype.itemsize
+        if self.transport is not None and device.type == "cpu" and shm_supported(dtype) \
+                and nbytes >= self.config.shared_memory_min_bytes:
+            try:
+                return self.transport.allocate(numel, dtype)  # collective: same on both ranks
+            except ShmAllocationError as err:  # raised on both ranks: both fall back
+                logger.warning("mini_ddp rank %d: %s; this bucket uses Gloo", self.rank, err)
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def _renew_buffer(self, bucket: bucketing.Bucket) -> None:
+        """Move ``bucket`` to a fresh buffer (local: the transport's peer learns of it later)."""
+        old = bucket.buffer
+        if self.transport is not None and self.transport.owns(old):
+            bucket.replace_buffer(self.transport.renew(old))
+        else:
+            bucket.replace_buffer(torch.zeros_like(old))
+
     def _install_buckets(self, layout: list[list[int]], rebuilt: bool = False) -> None:
         # Gradients the zero-copy write-back left in the old buffers move along (unless someone
         # else holds them), so later steps keep writing in place instead of copying.
@@ -142,6 +169,9 @@ class Reducer:
                    and not _held_elsewhere(bucket) for p, view in zip(bucket.params,
                                                                        bucket.views, strict=True)
                    if p.grad is view]
+        for bucket in getattr(self, "buckets", ()):
+            if self.transport is not None and self.transport.owns(bucket.buffer):
+                self.transport.free(bucket.buffer)  # memory goes once the old views do
         self.buckets, self.locator = bucketing.build_buckets(layout, self.params, self.allocate)
         self.layout_history.append([list(indices) for indices in layout])
         for p, old_view in movable:
@@ -350,7 +380,10 @@ class Reducer:
             self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
         if self.comm_hook is None:
             with naming_collective(self.rank, lambda: self._describe(bucket)):
-                bucket.future = allreduce_sum_hook(self.group, grad_bucket)
+                if self.use_transport and self.transport.owns(bucket.buffer):
+                    bucket.future = self.transport.all_reduce(bucket.buffer)
+                else:
+                    bucket.future = allreduce_sum_hook(self.group, grad_bucket)
         else:
             bucket.future = self.comm_hook(self.comm_hook_state, grad_bucket)
             # torch._C.Future, not torch.futures.Future: ``fut.then(...)`` (torch's own
@@ -388,10 +421,21 @@ class Reducer:
                 self.on_stall(self, bucket, error)  # a dead peer: name it from its marks
         # A dead peer fails the collective (Gloo notices a closed socket at once): name it.
         with naming_collective(self.rank, lambda: self._describe(bucket)):
-            return future.wait()
+            try:
+                return future.wait()
+            except MiniDDPError as err:
+                if bucket is None or not isinstance(err, (CollectiveError, ShmError)):
+                    raise
+                # The shared-memory transport's own error names a slot: name the bucket, with
+                # the backend's words (a CollectiveError of the transport keeps them as cause).
+                cause = err.__cause__ if isinstance(err, CollectiveError) else None
+                raise CollectiveError(self.rank, self._describe(bucket), cause or err) from err
 
     def _describe(self, bucket: bucketing.Bucket | None) -> str:
         what = describe_bucket(bucket, self.names, len(self.buckets))
+        if bucket is not None and self.transport is not None \
+                and self.transport.owns(bucket.buffer) and self.use_transport:
+            what += " through shared memory"
         if bucket is not None and self.comm_hook is not None:
             hook = getattr(self.comm_hook, "__qualname__", repr(self.comm_hook))
             what += f" through communication hook {hook}"
@@ -492,9 +536,7 @@ class Reducer:
         for bucket in self.buckets:
             if bucket.handed_out:
                 if _held_elsewhere(bucket):
-                    bucket.replace_buffer(self.allocate(bucket.buffer.numel(),
-                                                        bucket.buffer.dtype,
-                                                        bucket.buffer.device))
+                    self._renew_buffer(bucket)
                 bucket.handed_out = False
 
     def _write_back(self, param: torch.Tensor, view_in: torch.Tensor,

@@ -400,17 +400,19 @@ class SharedMemoryAllreduce:
         if stale is not None:
             _unlink(stale)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Finish the queued work, stop the worker thread and drop every buffer. Idempotent.
 
         Later calls of :meth:`allocate` and :meth:`all_reduce` raise :class:`ShmError`.
+        ``wait=False`` does not wait for the worker (it may be stuck on a dead peer): for
+        finalizers, which must not block.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._queue.put(None)
-        if threading.current_thread() is not self._thread:
+        if wait and threading.current_thread() is not self._thread:
             self._thread.join()
         self._slots.clear()
         self._own.clear()
