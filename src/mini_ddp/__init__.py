@@ -21,6 +21,7 @@ from mini_ddp.explain import explain
 from mini_ddp.hooks import CommHookTimeout, GradBucket, gloo_safe
 from mini_ddp.model import DataParallelModel
 from mini_ddp.multi_device import MultiDeviceDataParallel
+from mini_ddp.shm import SharedMemoryAllreduce
 from mini_ddp.spawn import RankContext, RanksFailed, run_ranks
 from mini_ddp.tracing import TraceRecorder, trace
 from mini_ddp.watchdog import StallError, StallWatchdog
@@ -40,6 +41,7 @@ __all__ = [
     "ParameterMismatchError",
     "RankContext",
     "RanksFailed",
+    "SharedMemoryAllreduce",
     "StallError",
     "StallWatchdog",
     "TraceRecorder",

@@ -88,6 +88,9 @@ def steady_malloc() -> bool:
                                                                               1 << 30))
 
 
+_PEAKS = ("peak_rss_growth_MiB", "peak_pss_growth_MiB")  # lowest of rounds, highest of ranks
+
+
 def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]], malloc: str
                 ) -> list[dict[str, Any]]:
     """Rank body: run every job (a model's comparison, or one bucket-cap sweep point)."""
@@ -107,13 +110,17 @@ def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]], malloc: str
         if job["memory"]:  # several rounds, keep each engine's lowest peak (RSS is noisy)
             rounds = [memory_report(base, batches, job["cap"], job["mem_steps"], job["engines"])
                       for _ in range(job["mem_rounds"])]
-            result["memory"] = {e: {"tensor_MiB": v["tensor_MiB"], "peak_rss_growth_MiB": min(
-                (r[e]["peak_rss_growth_MiB"] for r in rounds), key=lambda x: x or 0)}
+            result["memory"] = {e: {"tensor_MiB": v["tensor_MiB"], **{key: min(
+                (r[e][key] for r in rounds), key=lambda x: x or 0) for key in _PEAKS}}
                 for e, v in rounds[0].items()}
         # Whole-process peak since the rank started (KiB on Linux): every engine's copies.
         result["maxrss_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         results.append(result)
     return results
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    return statistics.quantiles(values, n=4)[::2] if len(values) > 1 else values * 2
 
 
 def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
@@ -135,6 +142,13 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, An
     if ref:
         out["over_ddp"] = {n: paired(wall, n, ref) for n in names}
         out["cpu_over_ddp"] = {n: paired(cpu, n, ref) for n in names}
+        # How sure the median is: the middle half of the paired ratios, and in how many blocks
+        # the engine beat torch DDP (a sign test: 15 of 20 happens by chance 2 % of the time).
+        out["over_ddp_quartiles"] = {n: _quartiles([x / y for x, y in zip(
+            wall[n], wall[ref], strict=True)]) for n in names}
+        out["blocks_faster_than_ddp"] = {n: sum(x < y for x, y in zip(wall[n], wall[ref],
+                                                                       strict=True))
+                                         for n in names}
     if "compute" in names:
         out["over_compute"] = {n: paired(wall, n, "compute") for n in names}
         out["exposed_comm_ms"] = {n: out["median_ms"][n] - out["median_ms"]["compute"]
@@ -174,8 +188,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                    "maxrss_MiB": [r[j]["maxrss_MiB"] for r in per_rank]}
             if job["memory"]:  # tensors: rank 0's (ranks are alike); RSS: the highest rank
                 mems = [r[j]["memory"] for r in per_rank]
-                row["memory"] = {e: {**v, "peak_rss_growth_MiB": max(
-                    (m[e]["peak_rss_growth_MiB"] or 0 for m in mems), default=None)}
+                row["memory"] = {e: {**v, **{key: max(
+                    (m[e][key] or 0 for m in mems), default=None) for key in _PEAKS}}
                     for e, v in mems[0].items()}
             report["sweep" if job["kind"] == "sweep" else "results"].append(row)
     report["machine"]["loadavg_end"] = os.getloadavg()
@@ -193,12 +207,17 @@ def _engine_row(r: dict[str, Any], e: str) -> str:
 
     mem = r.get("memory", {}).get(e, {})
     timed = e in r["median_ms"]
+    quart, won = get("over_ddp_quartiles"), get("blocks_faster_than_ddp")
+    spread = (f"{quart[0]:.2f}-{quart[1]:.2f} {won:>2}/{len(r['blocks_ms'][e])}"
+              if quart and won is not None else "-")
     return (f"  {r['model']:<12}{r['world_size']:>3}{'*' if r['oversubscribed'] else ' '}"
             f"{e:<21}{_cell(get('median_ms'), '8.1f')} {_cell(get('over_ddp'), '5.3f')} "
+            f"{spread:>15} "
             f"{_cell(get('over_compute'), '8.2f')} {_cell(get('exposed_comm_ms'), '11.1f')} "
             f"{_cell(get('cpu_ms'), '8.1f')} {_cell(get('cpu_over_ddp'), '8.3f')} "
             f"{_cell(mem.get('tensor_MiB'), '11.1f')} "
-            f"{_cell(mem.get('peak_rss_growth_MiB'), '9.0f')}") if timed or mem else ""
+            f"{_cell(mem.get('peak_rss_growth_MiB'), '9.0f')} "
+            f"{_cell(mem.get('peak_pss_growth_MiB'), '9.0f')}") if timed or mem else ""
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -207,8 +226,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"# {m['cpus']} CPUs, {m['platform']}, torch {m['torch']}, {m['backend']}, load "
              f"avg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} (* oversubscribed), "
              f"malloc {report['settings'].get('malloc', 'default')}",
-             "# model        ws engine                step ms  /ddp  /compute  exposed ms   cpu ms"
-             "  cpu/ddp  tensor MiB  RSS+ MiB"]
+             "# model        ws engine                step ms  /ddp  IQR, blocks<ddp  /compute"
+             "  exposed ms   cpu ms"
+             "  cpu/ddp  tensor MiB  RSS+ MiB  PSS+ MiB"]
     for r in report["results"]:
         lines += [_engine_row(r, e) for e in r["median_ms"]]
         lines += [_engine_row(r, e) for e in r.get("memory", {}) if e.endswith("+gabv")]

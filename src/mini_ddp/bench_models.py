@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,7 +103,9 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 ENGINES = ("torch_ddp", "mini_ddp", "naive", "compute")
 # Ablations, on request (--engines): mini_ddp with one of its own speed-ups switched off.
-ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False}}
+ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False},
+             "mini_ddp_gloo": {"shared_memory_allreduce": False},
+             "mini_ddp_v1": {"zero_copy_write_back": False, "shared_memory_allreduce": False}}
 
 
 @dataclass
@@ -113,6 +116,7 @@ class Engine:
     model: nn.Module
     opt: torch.optim.Optimizer
     gabv: bool = False
+    probe: Callable[[], None] | None = None  # called after backward and after the step
 
     def step(self, batch: Batch) -> None:
         """Zero grads, forward, loss, backward, (naive: sync), SGD step.
@@ -128,7 +132,11 @@ class Engine:
                 if p.grad is not None:
                     dist.all_reduce(p.grad)  # blocking, one collective per parameter
                     p.grad.div_(world)
+        if self.probe is not None:
+            self.probe()
         self.opt.step()
+        if self.probe is not None:
+            self.probe()
 
 
 def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool) -> Engine:
@@ -190,29 +198,52 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _pss_kib() -> int | None:
+    """Proportional set size: shared pages count once per process *sharing* them, split.
+
+    RSS counts a page shared by two ranks (the shared-memory all-reduce's buckets, which both
+    ranks map) in full in both; PSS is each rank's fair share of the machine's memory.
+    """
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("Pss:")), None)
+    except OSError:
+        return None
+
+
+def _sample_pss(samples: list[int]) -> None:
+    samples.append(_pss_kib() or 0)
+
+
 def memory_report(base: nn.Module, batches: list[Batch], cap: float | None, steps: int,
                   names: list[str]) -> dict[str, dict[str, float | None]]:
     """Each engine alone (the DDPs also with gradient_as_bucket_view), in MiB: its tensors
     after the last step (gradients alive), and its training peak — the highest RSS during
     ``steps`` steps, above the RSS before it was built. The peak is reset after two warm-up
-    steps, so one-time transients (start-up broadcast, bucket rebuild) do not count."""
+    steps, so one-time transients (start-up broadcast, bucket rebuild) do not count. Also
+    the highest PSS (:func:`_pss_kib`) sampled after each backward and each optimizer step,
+    above the PSS before: the kernel keeps no PSS peak, so this one is sampled."""
     out = {}
     variants = [(n, False) for n in names] + [(n, True) for n in names if n.endswith("_ddp")]
     for name, gabv in variants:
         gc.collect()
         dist.barrier()
         _reset_peak_rss()
-        before = _status_kib("VmRSS")
+        before, pss_before = _status_kib("VmRSS"), _pss_kib()
+        pss_samples: list[int] = []
         engine = build_engine(name, base, cap, gabv)
         for batch in batches[:2]:  # both DDPs rebuild their buckets once, at forward 2
             engine.step(batch)
         can_reset = _reset_peak_rss()
+        engine.probe = functools.partial(_sample_pss, pss_samples)
         for i in range(steps):
             engine.step(batches[i % len(batches)])
         peak = _status_kib("VmHWM")
         out[name + ("+gabv" if gabv else "")] = {
             "tensor_MiB": tensor_bytes(engine) / 2**20,
             "peak_rss_growth_MiB": (peak - before) / 1024 if can_reset and peak and before
-            else None}
+            else None,
+            "peak_pss_growth_MiB": (max(pss_samples) - pss_before) / 1024 if pss_before
+            and pss_samples and min(pss_samples) else None}
         del engine
     return out
