@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import logging
 import os
 import platform
@@ -39,6 +38,7 @@ from mini_ddp.bench_models import (
     memory_report,
 )
 from mini_ddp.buckets import MIB
+from mini_ddp.cli import emit_report
 from mini_ddp.spawn import RankContext, run_ranks
 
 logger = logging.getLogger("mini_ddp.bench")
@@ -311,13 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown models or engines: {sorted(bad)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     report = run_benchmark(args)
-    print(format_report(report))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.plot_path and report["sweep"]:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot_path)), exist_ok=True)
-        plot_sweep(report, args.plot_path)
+    emit_report(report, format_report(report), args.json_path, args.plot_path,
+                plot_sweep if report["sweep"] else None)
     return 0
 
 

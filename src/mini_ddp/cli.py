@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -22,6 +26,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
                          "all-reduce algorithms vs Gloo: time, algbw, busbw, alpha-beta fit"),
     "cost-model": ("mini_ddp.costmodel", "predict step time for larger worlds from a profile"),
 }
+
+
+def emit_report(report: dict[str, Any], text: str, json_path: str | None,
+                plot_path: str | None,
+                plot: Callable[[dict[str, Any], str], None] | None = None) -> None:
+    """The shared tail of the report commands (bench, cost-model, collective-bench): print the
+    table, write the JSON report, draw the plot (its folder made if needed)."""
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    if plot_path and plot is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+        plot(report, plot_path)
 
 
 def main(argv: list[str] | None = None) -> int:

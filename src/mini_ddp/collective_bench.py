@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mini_ddp.cli import emit_report
 from mini_ddp.collectives import ALLREDUCES
 from mini_ddp.collectives.cost import FORMULA_TEXT, fit_alpha_beta, predict
 from mini_ddp.spawn import RankContext, run_ranks
@@ -213,13 +214,7 @@ def main(argv: list[str] | None = None) -> int:
               "ranks share cores, so times include scheduler contention")
     report = run_benchmark(args.world_size, _sizes(args), algorithms, args.iters, args.warmup,
                            timeout_s=args.timeout)
-    print(format_report(report))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.plot_path:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot_path)), exist_ok=True)
-        plot_report(report, args.plot_path)
+    emit_report(report, format_report(report), args.json_path, args.plot_path, plot_report)
     return 0
 
 

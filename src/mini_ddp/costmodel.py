@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mini_ddp.buckets import MIB, assign_buckets
+from mini_ddp.cli import emit_report
 from mini_ddp.collectives.cost import predict as ab_predict
 from mini_ddp.spawn import run_ranks
 
@@ -259,13 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args.predict_sizes = [int(x) for x in args.predict_sizes.split(",") if x.strip()]
     args.caps = [None if c.strip() == "default" else float(c) for c in args.caps.split(",")]
     report = run(args)
-    print(format_report(report))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.plot_path:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot_path)), exist_ok=True)
-        plot_report(report, args.plot_path)
+    emit_report(report, format_report(report), args.json_path, args.plot_path, plot_report)
     return 0
 
 
