@@ -33,7 +33,7 @@ import torch
 
 from mini_ddp import run_ranks
 from mini_ddp.checkpoint import LATEST, load_checkpoint
-from mini_ddp.launch import DistInfo
+from mini_ddp.launch import DistInfo, stop_torchrun
 from mini_ddp.models import Seed002CNN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,18 +71,6 @@ def _reference_rank(ctx, checkpoint_dir: str) -> None:
                                  torch.device("cpu"), "env"))
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """End a torchrun job still running: SIGTERM lets its agent stop the workers (they run in
-    sessions of their own, out of reach of a process-group kill), SIGKILL if it does not."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 def _final_state(ckpt: Path) -> tuple[dict, dict, int]:
     model = Seed002CNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -98,7 +86,7 @@ def test_killed_ranks_restart_from_the_last_good_checkpoint_without_loss(tmp_pat
         run_ranks(_reference_rank, 2, args=(str(tmp_path / "reference"),), timeout_s=300)
         out, _ = faulty.communicate(timeout=480)
     finally:
-        _stop(faulty)
+        stop_torchrun(faulty)
     assert faulty.returncode == 0, out[-4000:]
 
     # Where each attempt resumed: nothing, then step 12 (latest), then step 12 again because

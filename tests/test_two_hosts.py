@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from mini_ddp.launch import stop_torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "helpers" / "two_hosts_train.py"
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
@@ -102,15 +104,7 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
             outputs.append(proc.communicate(timeout=timeout_s)[0])
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                # SIGTERM first: the agent then stops its workers, which run in sessions of
-                # their own and would outlive a SIGKILLed agent.
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=30)
+            stop_torchrun(proc)
     return outputs
 
 

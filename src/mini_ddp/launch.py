@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -228,3 +229,16 @@ def process_group(launcher: str = "env", store: dist.Store | None = None,
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     sys.exit(128 + signum)
+
+
+def stop_torchrun(proc: subprocess.Popen) -> None:
+    """End a torchrun job (its ``Popen``) if it still runs: SIGTERM first, so the agent stops
+    its workers — they run in sessions of their own and would outlive a SIGKILLed agent —
+    then SIGKILL if it has not exited within 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
