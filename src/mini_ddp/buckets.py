@@ -46,6 +46,11 @@ def storage_use_count(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do ``a`` and ``b`` look into the same memory (is ``.grad`` already a bucket view)?"""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def assign_buckets(
     params: Sequence[torch.Tensor],
     size_limits: Sequence[int],

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from mini_ddp.buckets import describe_layout
+from mini_ddp.graph_state import should_rebuild
 
 _ORDINAL = {1: "st", 2: "nd", 3: "rd"}
 
@@ -58,7 +59,7 @@ def layouts(model: Any) -> list[LayoutView]:
         current = i == len(reducer.layout_history) - 1
         views.append(LayoutView(f"layout {i + 1}{' (current)' if current else ''}",
                                 config.layout_reason(rebuilt), layout, limits, current, rebuilt))
-    if reducer.should_rebuild() and reducer.rebuild_order:
+    if should_rebuild(reducer) and reducer.rebuild_order:
         # After a first backward the rebuild is known (from this rank's order; rank 0's wins).
         from mini_ddp.buckets import assign_buckets
 
@@ -145,7 +146,7 @@ def explain(model: Any, max_names: int | None = None) -> str:
     for view in layouts(model):
         out += ["", f"{view.title}: {view.reason}",
                 layout_table(model, view, max_names), *bucket_reasons(model, view)]
-    if not reducer.has_rebuilt and not reducer.should_rebuild():
+    if not reducer.has_rebuilt and not should_rebuild(reducer):
         out += ["", "no rebuild: find_unused_parameters=True keeps the iteration 1 layout."]
     elif not reducer.has_rebuilt and not reducer.rebuild_order:
         out += ["", "rebuild: not yet — it needs the gradient order of one synced backward."]

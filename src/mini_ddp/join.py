@@ -12,8 +12,8 @@ this module plugs our model into it exactly as torch DDP plugs in (its ``_DDPJoi
 * For each such forward, a joined rank runs :meth:`DataParallelJoinHook.main_hook`: it shadows
   the bucket rebuild, the buffer broadcast (from an agreed authoritative rank: the highest
   rank still training, since rank 0 may have stale buffers), learns whether a synced backward
-  follows, and if so shadows it — one all-reduce of zeros per bucket, in bucket order, through
-  the comm-hook door, then the unused-parameter map all-reduce.
+  follows, and if so shadows it (:func:`shadow_backward`) — one all-reduce of zeros per bucket,
+  in bucket order, through the comm-hook door, then the unused-parameter map all-reduce.
 * When every rank has joined, :meth:`DataParallelJoinHook.post_hook` broadcasts the model
   (parameters, and buffers when forward buffer sync is on) from the last rank to join.
 
@@ -29,8 +29,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
+from mini_ddp.graph_state import rebuild_buckets_if_needed, should_rebuild
+from mini_ddp.hooks import GradBucket, allreduce_sum_hook
+
 if TYPE_CHECKING:
     from mini_ddp.model import DataParallelModel
+    from mini_ddp.reducer import Reducer
 
 
 def find_common_rank(model: DataParallelModel, candidate: bool) -> int:
@@ -76,6 +80,29 @@ def announce_backward_sync(model: DataParallelModel, joined: bool) -> bool | Non
     return bool(flag.item() != 0)
 
 
+def shadow_backward(reducer: Reducer) -> None:
+    """Stand in for a synced backward this rank does not run (it has joined).
+
+    Issues what a backward issues, in the same order — one all-reduce of zeros per bucket
+    through the comm-hook door, then the unused-parameter map — and waits, as DDP's join
+    hook does. Zeros add nothing to the other ranks' sums.
+    """
+    pending = []
+    for bucket in reducer.buckets:
+        zeros = GradBucket(bucket.index, bucket.index == len(reducer.buckets) - 1,
+                           torch.zeros_like(bucket.buffer), bucket.params, bucket.offsets)
+        pending.append((bucket, allreduce_sum_hook(reducer.group, zeros) if reducer.comm_hook
+                        is None else reducer.comm_hook(reducer.comm_hook_state, zeros)))
+    for bucket, future in pending:
+        reducer._wait(future, bucket)  # the reducer's deadline and error naming
+    if reducer._dynamic_find_unused():
+        reducer._wait(dist.all_reduce(torch.zeros_like(reducer.local_used), group=reducer.group,
+                                      async_op=True).get_future(), None)
+    if should_rebuild(reducer) and not reducer.rebuild_order:
+        # Rebuild with the others before the next forward: DDP pushes every parameter.
+        reducer.rebuild_order = list(range(len(reducer.params)))
+
+
 class DataParallelJoinHook(JoinHook):
     """What a rank that ran out of inputs does while others train, and once all have joined."""
 
@@ -87,7 +114,7 @@ class DataParallelJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Shadow one training iteration's collectives (DDP's ``_DDPJoinHook.main_hook``)."""
         model = self.model
-        model.reducer.rebuild_buckets_if_needed()  # the one-time rebuild broadcasts a layout
+        rebuild_buckets_if_needed(model.reducer)  # the one-time rebuild broadcasts a layout
         if model.will_sync_module_buffers():
             model._sync_buffers(src=find_common_rank(model, candidate=False))
         should_sync = announce_backward_sync(model, joined=True)
@@ -95,7 +122,7 @@ class DataParallelJoinHook(JoinHook):
         # active ranks.
         model.require_forward_param_sync = should_sync
         if should_sync:
-            model.reducer.shadow_backward()
+            shadow_backward(model.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Give every rank the model of the last rank to join (ties: the highest rank)."""

@@ -8,6 +8,7 @@ reduced is the reducer's business (:mod:`mini_ddp.reducer`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 import weakref
@@ -23,6 +24,7 @@ from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils import _pytree as pytree
 
+from mini_ddp import graph_state
 from mini_ddp import join as joining
 from mini_ddp.comm import dist_broadcast_coalesced, verify_params_across_ranks
 from mini_ddp.config import DataParallelConfig
@@ -220,7 +222,7 @@ class DataParallelModel(nn.Module, Joinable):
         if grad_enabled and self.require_backward_grad_sync:
             self.reducer.prepare_for_forward()
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
-        if grad_enabled and self.reducer.rebuild_buckets_if_needed():
+        if grad_enabled and graph_state.rebuild_buckets_if_needed(self.reducer):
             logger.info("mini_ddp: buckets rebuilt in gradient-ready order.")
         if self.will_sync_module_buffers():
             self._sync_buffers()
@@ -374,7 +376,8 @@ class _OutputSink(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple:
         model = ctx.model_ref()
         if model is not None and model.static_graph and not model._delay_all_reduce_enqueued:
-            Variable._execution_engine.queue_callback(model.reducer.delay_all_reduce)
+            Variable._execution_engine.queue_callback(
+                functools.partial(graph_state.delay_all_reduce, model.reducer))
             model._delay_all_reduce_enqueued = True
         return (None, *grads)
 

@@ -13,17 +13,21 @@ Follow one gradient through a step:
    one machine, through shared memory (:mod:`mini_ddp.shm`, same bits); the future is kept.
 4. When the last bucket has launched, :meth:`finish_grad_sync` is queued on the autograd engine.
    It runs when backward ends, waits for every bucket in :meth:`_wait` (the only place that
-   blocks, with a deadline), and writes the results back into ``param.grad``.
+   blocks, with a deadline), and writes the results back into ``param.grad`` through
+   :mod:`mini_ddp.writeback`: by default ``.grad`` becomes the bucket's view
+   (:func:`~mini_ddp.writeback.hand_out`), which is reclaimed before the next backward writes
+   into the bucket (:func:`~mini_ddp.writeback.reclaim_buffers`, at step 1).
 
 The bookkeeping mirrors torch's C++ reducer (``reducer.cpp``) wherever it changes a value or an
-error: unused-parameter handling, the one-time bucket rebuild, static graphs.
+error. What is off this path lives in :mod:`mini_ddp.graph_state`: the unused-parameter search,
+installing bucket layouts and the one-time rebuild in gradient order, and a static graph's
+first iteration (``delay_all_reduce``); join's stand-in backward is in :mod:`mini_ddp.join`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -34,7 +38,8 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from mini_ddp import buckets as bucketing
-from mini_ddp.buckets import storage_use_count
+from mini_ddp import graph_state, writeback
+from mini_ddp.buckets import shares_storage
 from mini_ddp.config import DataParallelConfig
 from mini_ddp.errors import (
     CollectiveError,
@@ -54,10 +59,6 @@ logger = logging.getLogger("mini_ddp")
 def _grad_accumulator(param: torch.Tensor) -> Any:
     """The ``AccumulateGrad`` node autograd uses for ``param`` (kept alive by the reducer)."""
     return param.view_as(param).grad_fn.next_functions[0][0]
-
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class Reducer:
@@ -88,8 +89,8 @@ class Reducer:
         self.use_transport = transport is not None  # off while Join runs (model.forward)
         self.allocate: bucketing.Allocator = self._allocate_bucket
         # Zero-copy write-back: after the all-reduce, .grad becomes the bucket's view instead of
-        # a copy of it (see _hand_out). Only on the plain path; the unused-parameter paths and
-        # gradient_as_bucket_view keep their own rules, which are DDP's.
+        # a copy of it (writeback.hand_out). Only on the plain path; the unused-parameter paths
+        # and gradient_as_bucket_view keep their own rules, which are DDP's.
         self.zero_copy = (config.zero_copy_write_back and not config.gradient_as_bucket_view
                           and not config.find_unused_parameters and not config.static_graph)
         device = self.params[0].device
@@ -99,7 +100,8 @@ class Reducer:
         # the last-defined parameters, whose gradients come first, are in bucket 0.
         n = len(self.params)
         limits = config.initial_size_limits()
-        self._install_buckets(list(reversed(bucketing.assign_buckets(self.params, limits))))
+        graph_state.install_buckets(
+            self, list(reversed(bucketing.assign_buckets(self.params, limits))))
 
         self.num_iterations = 0          # synced forwards so far
         self.num_backward_calls = 0      # backward passes that reached a hook (DDP's num_bwd_calls_)
@@ -141,7 +143,7 @@ class Reducer:
         # on every call, which doubled the call's cost. The kernel and the bits are the same.
         self._scale = torch.tensor(1.0 / value, dtype=torch.float64)
 
-    # ---- layout --------------------------------------------------------------------------
+    # ---- bucket memory -------------------------------------------------------------------
     def _allocate_bucket(self, numel: int, dtype: torch.dtype, device: torch.device
                          ) -> torch.Tensor:
         """A bucket's zero-filled buffer: shared memory when the transport will sum it."""
@@ -153,64 +155,6 @@ class Reducer:
             except ShmAllocationError as err:  # raised on both ranks: both fall back
                 logger.warning("mini_ddp rank %d: %s; this bucket uses Gloo", self.rank, err)
         return torch.zeros(numel, dtype=dtype, device=device)
-
-    def _renew_buffer(self, bucket: bucketing.Bucket) -> None:
-        """Move ``bucket`` to a fresh buffer (local: the transport's peer learns of it later)."""
-        old = bucket.buffer
-        if self.transport is not None and self.transport.owns(old):
-            bucket.replace_buffer(self.transport.renew(old))
-        else:
-            bucket.replace_buffer(torch.zeros_like(old))
-
-    def _install_buckets(self, layout: list[list[int]], rebuilt: bool = False) -> None:
-        # Gradients the zero-copy write-back left in the old buffers move along (unless someone
-        # else holds them), so later steps keep writing in place instead of copying.
-        movable = [(p, view) for bucket in getattr(self, "buckets", ()) if bucket.handed_out
-                   and not _held_elsewhere(bucket) for p, view in zip(bucket.params,
-                                                                       bucket.views, strict=True)
-                   if p.grad is view]
-        for bucket in getattr(self, "buckets", ()):
-            if self.transport is not None and self.transport.owns(bucket.buffer):
-                self.transport.free(bucket.buffer)  # memory goes once the old views do
-        self.buckets, self.locator = bucketing.build_buckets(layout, self.params, self.allocate)
-        self.layout_history.append([list(indices) for indices in layout])
-        for p, old_view in movable:
-            bucket = self.buckets[self.locator[self.params_index[id(p)]][0]]
-            new_view = bucket.views[self.locator[self.params_index[id(p)]][1]]
-            p.grad = new_view.copy_(old_view)
-            bucket.handed_out = True
-        del movable
-        if self.config.gradient_as_bucket_view:
-            # Gradients that already exist move into the new buffers (DDP does the same when
-            # it rebuilds), so ``.grad`` is a bucket view from now on.
-            for bucket in self.buckets:
-                for p, view in zip(bucket.params, bucket.views, strict=True):
-                    if p.grad is not None and not _shares_storage(p.grad, bucket.buffer):
-                        view.copy_(p.grad)
-                        p.grad = view
-        logger.info("mini_ddp rank %d bucket layout, %s:\n%s", self.rank,
-                    self.config.layout_reason(rebuilt),
-                    bucketing.describe_layout(self.buckets, self.names))
-
-    def should_rebuild(self) -> bool:
-        """DDP rebuilds once, in gradient-ready order, unless it searches for unused params."""
-        return ((self.config.static_graph or not self.config.find_unused_parameters)
-                and not self.has_rebuilt)
-
-    def rebuild_buckets_if_needed(self) -> bool:
-        """Before a forward: check the last backward finished; rebuild buckets once."""
-        self.ensure_prior_reduction_finished()
-        if not self.should_rebuild() or not self.rebuild_order:
-            return False
-        layout = bucketing.assign_buckets(self.params, self.config.rebuild_size_limits(),
-                                          order=self.rebuild_order)
-        with naming_collective(self.rank, "the broadcast of rank 0's rebuilt bucket layout "
-                               "(before the second forward)"):
-            layout = bucketing.agree_on_layout(layout, self.group, self.local_used.device)
-        self.has_rebuilt = True
-        self.rebuild_order = []
-        self._install_buckets(layout, rebuilt=True)
-        return True
 
     # ---- per-step state ------------------------------------------------------------------
     def static_first_iteration(self) -> bool:
@@ -230,7 +174,7 @@ class Reducer:
         self.expect_hooks = True
         self.synced_this_step = False
         # The rebuild happens before forward, so this holds for the whole backward.
-        self._hook_records_order = self.should_rebuild()
+        self._hook_records_order = graph_state.should_rebuild(self)
         self.next_bucket = 0
         for bucket in self.buckets:
             bucket.pending = len(bucket.param_indices)
@@ -240,19 +184,7 @@ class Reducer:
         self.marked_unused = False
         self.ready.clear()
         if self._dynamic_find_unused():
-            self.unused = self._search_unused(outputs)
-
-    def _search_unused(self, outputs: Sequence[torch.Tensor]) -> list[int]:
-        """Parameters whose AccumulateGrad node is unreachable from ``outputs``' graph."""
-        seen: set = set()
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while stack:
-            node = stack.pop()
-            for next_node, _ in node.next_functions:
-                if next_node is not None and next_node not in seen:
-                    seen.add(next_node)
-                    stack.append(next_node)
-        return [i for i, acc in enumerate(self._accumulators) if acc not in seen]
+            self.unused = graph_state.unreachable_params(self._accumulators, outputs)
 
     def ensure_prior_reduction_finished(self) -> None:
         """Raise, naming the parameters, if the last backward left gradients unreduced."""
@@ -284,7 +216,7 @@ class Reducer:
             if self._hook_tracks_used and self.params[index].grad is not None:
                 self.local_used[index] = 1
             if self._hook_static_first:
-                self.static_hook_counts[index] += 1  # all reducing waits for delay_all_reduce
+                self.static_hook_counts[index] += 1  # reducing waits: graph_state.delay_all_reduce
                 return
             if not self.expect_hooks:
                 if self.synced_this_step:
@@ -297,7 +229,8 @@ class Reducer:
             if not self.marked_unused:
                 self.marked_unused = True
                 if self.zero_copy:
-                    self._reclaim_buffers()  # before anything is written into a bucket
+                    # Before anything is written into a bucket a .grad may still be.
+                    writeback.reclaim_buffers(self.buckets, self.transport)
                 for unused_index in self.unused:
                     self._mark_ready(unused_index)
             if self.config.static_graph:
@@ -340,7 +273,7 @@ class Reducer:
             view.zero_()  # marked ready without a gradient: contribute zeros
             return
         if grad is view or (self.config.gradient_as_bucket_view
-                            and _shares_storage(grad, bucket.buffer)):
+                            and shares_storage(grad, bucket.buffer)):
             # The gradient already *is* the bucket view, and autograd accumulated into it.
             if self.comm_hook is None:
                 if self.config.gradient_as_bucket_view:
@@ -459,7 +392,7 @@ class Reducer:
             self.require_finalize = False
             self._backward_counted = False
             if self.config.static_graph and self.num_backward_calls > 1 \
-                    and self.should_rebuild():
+                    and graph_state.should_rebuild(self):
                 self.rebuild_order.extend(self.unused)
             track_unused = self.config.static_graph or self.config.find_unused_parameters
             plain = not track_unused and not self.config.gradient_as_bucket_view
@@ -470,16 +403,17 @@ class Reducer:
                     self.trace.record("complete", bucket=bucket.index)
                 if plain and result is bucket.buffer:
                     if self.zero_copy:
-                        self._hand_out(bucket)
+                        writeback.hand_out(bucket)
                     else:
-                        self._copy_out(bucket)
+                        writeback.copy_out(bucket)
                     continue
                 for param, index, view_in, view_out in zip(
                         bucket.params, bucket.param_indices, bucket.views,
                         bucket.views_of(result), strict=True):
                     if track_unused and self._globally_unused(index):
                         continue  # nobody used it: leave .grad untouched (None stays None)
-                    self._write_back(param, view_in, view_out)
+                    writeback.write_back(param, view_in, view_out,
+                                         self.config.gradient_as_bucket_view)
             if self._global_used_future is not None and self.global_used is None:
                 self._wait(self._global_used_future, None)
                 self.global_used = self._global_used
@@ -488,159 +422,6 @@ class Reducer:
                 self.global_used, self._global_used_future = None, None
             if self.trace is not None:
                 self.trace.record("finalized")
-
-    @staticmethod
-    def _copy_out(bucket: bucketing.Bucket) -> None:
-        """The common case of :meth:`_write_back` for a whole bucket, in one foreach copy.
-
-        DDP's copy_bucket_to_grad per parameter; the same bits (a copy), much less Python.
-        """
-        grads = []
-        for param in bucket.params:
-            grad = param.grad
-            if grad is None:  # a fresh gradient with the parameter's own strides (layout contract)
-                grad = param.grad = torch.empty_strided(param.size(), param.stride(),
-                                                        dtype=param.dtype, device=param.device)
-            grads.append(grad)
-        torch._foreach_copy_(grads, bucket.views)
-
-    @staticmethod
-    def _hand_out(bucket: bucketing.Bucket) -> None:
-        """Zero-copy write-back: make each ``.grad`` its view of the bucket, no copy.
-
-        DDP copies the bucket into ``.grad`` (a separate tensor) because the next backward
-        overwrites the bucket. We let ``.grad`` *be* the bucket view and instead make sure,
-        before the next backward writes into the buffer (:meth:`_reclaim_buffers`), that
-        nobody but ``.grad`` itself still looks at it. A gradient someone else holds keeps its
-        identity and gets a copy, as in DDP. Values are copies of the same bits either way.
-        """
-        for param, view in zip(bucket.params, bucket.views, strict=True):
-            grad = param.grad
-            if grad is view:
-                continue  # accumulated in place (zero_grad(set_to_none=False)): already there
-            if grad is None or _is_private(grad):
-                param.grad = view  # the tensor autograd made is dropped: nobody can see it
-            else:
-                grad.copy_(view)
-            del grad
-        bucket.handed_out = True
-
-    def _reclaim_buffers(self) -> None:
-        """Before a backward writes into buckets whose views were handed out as ``.grad``.
-
-        If anything besides ``.grad`` holds such a view (``saved = p.grad`` before
-        ``zero_grad()``, a hook's state…), writing this step's gradients into the buffer
-        would change the values it holds; DDP's separate ``.grad`` would not. That bucket
-        moves to a fresh buffer instead, and the old one stays with whoever holds it.
-        """
-        for bucket in self.buckets:
-            if bucket.handed_out:
-                if _held_elsewhere(bucket):
-                    self._renew_buffer(bucket)
-                bucket.handed_out = False
-
-    def _write_back(self, param: torch.Tensor, view_in: torch.Tensor,
-                    view_out: torch.Tensor) -> None:
-        if self.config.gradient_as_bucket_view:
-            if view_out is not view_in:
-                view_in.copy_(view_out)  # a hook returned a new tensor
-            if param.grad is None:
-                param.grad = view_in
-            return
-        if param.grad is None:
-            # A fresh gradient with the parameter's own strides (autograd's layout contract).
-            grad = torch.empty_strided(param.size(), param.stride(), dtype=param.dtype,
-                                       device=param.device)
-            param.grad = grad.copy_(view_out)
-        else:
-            param.grad.copy_(view_out)
-
-    # ---- static graph, iteration 1 -------------------------------------------------------
-    def delay_all_reduce(self) -> None:
-        """Static graph, first iteration: reduce everything once backward has finished.
-
-        In iteration 1 the hooks only count how often each parameter's gradient arrives; this
-        (queued by the output sink) then copies every gradient in and reduces all buckets.
-        """
-        with self._lock:
-            self._launch_used_map_reduce()
-            self.unused = [i for i, c in enumerate(self.static_hook_counts) if c == 0]
-            self.require_finalize = True
-            for bucket in self.buckets:
-                for position in range(len(bucket.params)):
-                    self._copy_grad_into_bucket(bucket, position)
-            for bucket in self.buckets:
-                self._launch(bucket)
-            self.next_bucket = len(self.buckets)
-        self.finish_grad_sync()
-
-    # ---- uneven inputs (mini_ddp.join) ---------------------------------------------------
-    def shadow_backward(self) -> None:
-        """Stand in for a synced backward this rank does not run (it has joined).
-
-        Issues what a backward issues, in the same order — one all-reduce of zeros per bucket
-        through the comm-hook door, then the unused-parameter map — and waits, as DDP's join
-        hook does. Zeros add nothing to the other ranks' sums.
-        """
-        pending = []
-        for bucket in self.buckets:
-            zeros = GradBucket(bucket.index, bucket.index == len(self.buckets) - 1,
-                               torch.zeros_like(bucket.buffer), bucket.params, bucket.offsets)
-            pending.append((bucket, allreduce_sum_hook(self.group, zeros) if self.comm_hook
-                            is None else self.comm_hook(self.comm_hook_state, zeros)))
-        for bucket, future in pending:
-            self._wait(future, bucket)
-        if self._dynamic_find_unused():
-            self._wait(dist.all_reduce(torch.zeros_like(self.local_used), group=self.group,
-                                       async_op=True).get_future(), None)
-        if self.should_rebuild() and not self.rebuild_order:
-            # Rebuild with the others before the next forward: DDP pushes every parameter.
-            self.rebuild_order = list(range(len(self.params)))
-
-
-def _view_refs(bucket: bucketing.Bucket) -> list[int]:
-    """Python references to each of ``bucket``'s views, not counting its own ``.grad``."""
-    return [sys.getrefcount(v) - (p.grad is v) for p, v in zip(bucket.params, bucket.views,
-                                                                  strict=True)]
-
-
-def _grad_refs(grad: torch.Tensor) -> int:
-    return sys.getrefcount(grad)
-
-
-def _calibrate() -> tuple[int, int]:
-    """What :func:`_view_refs` and :func:`_grad_refs` read when nothing else holds a tensor.
-
-    Measured once on this interpreter rather than assumed: reference counts of arguments and
-    locals differ between Python versions.
-    """
-    param = torch.nn.Parameter(torch.zeros(2))
-    probe = bucketing.Bucket.build(0, [0], [param])
-    param.grad = probe.views[0]
-    view_refs = _view_refs(probe)[0]
-    param.grad = torch.zeros(2)
-    grad = param.grad
-    grad_refs = _grad_refs(grad)
-    return view_refs, grad_refs
-
-
-_VIEW_REFS, _GRAD_REFS = _calibrate()
-
-
-def _held_elsewhere(bucket: bucketing.Bucket) -> bool:
-    """Does anything besides the bucket and the ``.grad`` slots look into its buffer?"""
-    return (storage_use_count(bucket.buffer) != bucket.base_refs
-            or any(refs != _VIEW_REFS for refs in _view_refs(bucket)))
-
-
-def _is_private(grad: torch.Tensor) -> bool:
-    """Is ``grad`` (a parameter's ``.grad``, read into a local) seen by nobody else?
-
-    True for the tensor autograd just stored: no other Python reference, not a view, no view
-    of it anywhere (its storage is referenced by it alone), not part of a graph.
-    """
-    return (not grad.requires_grad and grad._base is None
-            and storage_use_count(grad) == 2 and _grad_refs(grad) == _GRAD_REFS + 1)
 
 
 def _hook_trampoline(reducer_ref: weakref.ref, index: int, *_grads: Any) -> None:
