@@ -24,7 +24,9 @@ is known (on one host it is only the barrier's exit jitter).
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,16 +64,31 @@ class TraceRecorder:
         self.skew_ns = 0
         self._reducer = reducer
         self._layout_seen: Any = None
+        # Collectives whose "comm_done" is not logged yet. A future counts as done before its
+        # callbacks have run (torch wakes waiters first), so without this a step's
+        # "comm_done" could land after its "finalized".
+        self._in_flight = 0
+        self._landed = threading.Condition()
 
     def record(self, kind: str, **info: Any) -> None:
         """Log ``kind`` now. A ``future=`` entry is not stored: its completion is logged."""
         future = info.pop("future", None)
+        if kind == "finalized":
+            with self._landed:  # every collective of the step is complete: callbacks imminent
+                self._landed.wait_for(lambda: self._in_flight == 0, timeout=5.0)
         self._append(kind, info)
         if kind == "forward_end":
             self._note_layout()
         if future is not None:
-            bucket = info.get("bucket")
-            future.add_done_callback(lambda _: self._append("comm_done", {"bucket": bucket}))
+            with self._landed:
+                self._in_flight += 1
+            future.add_done_callback(functools.partial(self._comm_done, info.get("bucket")))
+
+    def _comm_done(self, bucket: Any, _future: Any) -> None:
+        self._append("comm_done", {"bucket": bucket})
+        with self._landed:
+            self._in_flight -= 1
+            self._landed.notify_all()
 
     def mark(self, name: str, **info: Any) -> None:
         """Log an instant of your own, e.g. ``rec.mark("optimizer_step")``."""
