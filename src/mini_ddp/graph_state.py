@@ -65,10 +65,10 @@ def install_buckets(reducer: Reducer, layout: list[list[int]], rebuilt: bool = F
     reducer.buckets, reducer.locator = bucketing.build_buckets(layout, reducer.params,
                                                                reducer.allocate)
     reducer.layout_history.append([list(indices) for indices in layout])
-    for p, old_view in movable:
-        bucket_index, position = reducer.locator[reducer.params_index[id(p)]]
+    for index, old_view in movable:
+        bucket_index, position = reducer.locator[index]
         bucket = reducer.buckets[bucket_index]
-        p.grad = bucket.views[position].copy_(old_view)
+        reducer.params[index].grad = bucket.views[position].copy_(old_view)
         bucket.handed_out = True
     del movable
     if reducer.config.gradient_as_bucket_view:

@@ -68,7 +68,6 @@ class Reducer:
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
                  transport: SharedMemoryAllreduce | None = None):
         self.params = list(params)
-        self.params_index = {id(p): i for i, p in enumerate(self.params)}
         self.names = list(names)
         self.group = group
         self.config = config
@@ -154,7 +153,11 @@ class Reducer:
                 return self.transport.allocate(numel, dtype)  # collective: same on both ranks
             except ShmAllocationError as err:  # raised on both ranks: both fall back
                 logger.warning("mini_ddp rank %d: %s; this bucket uses Gloo", self.rank, err)
-        return torch.zeros(numel, dtype=dtype, device=device)
+        return bucketing.zeros_allocator(numel, dtype, device)
+
+    def _through_transport(self, bucket: bucketing.Bucket) -> bool:
+        """Is this step's all-reduce of ``bucket`` the shared-memory one (not Gloo's)?"""
+        return self.use_transport and self.transport.owns(bucket.buffer)
 
     # ---- per-step state ------------------------------------------------------------------
     def static_first_iteration(self) -> bool:
@@ -313,7 +316,7 @@ class Reducer:
             self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
         if self.comm_hook is None:
             with naming_collective(self.rank, lambda: self._describe(bucket)):
-                if self.use_transport and self.transport.owns(bucket.buffer):
+                if self._through_transport(bucket):
                     bucket.future = self.transport.all_reduce(bucket.buffer)
                 else:
                     bucket.future = allreduce_sum_hook(self.group, grad_bucket)
@@ -366,8 +369,7 @@ class Reducer:
 
     def _describe(self, bucket: bucketing.Bucket | None) -> str:
         what = describe_bucket(bucket, self.names, len(self.buckets))
-        if bucket is not None and self.transport is not None \
-                and self.transport.owns(bucket.buffer) and self.use_transport:
+        if bucket is not None and self.comm_hook is None and self._through_transport(bucket):
             what += " through shared memory"
         if bucket is not None and self.comm_hook is not None:
             hook = getattr(self.comm_hook, "__qualname__", repr(self.comm_hook))

@@ -357,8 +357,7 @@ class SharedMemoryAllreduce:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a live buffer of this transport (the object itself)."""
-        slot = self._slots.get(id(tensor))
-        return slot is not None and self._own.get(slot) is tensor
+        return self._live_slot(tensor) is not None
 
     def renew(self, tensor: torch.Tensor) -> torch.Tensor:
         """Give the slot of ``tensor`` a fresh zero-filled buffer; return it. Local, no sync.
@@ -379,9 +378,7 @@ class SharedMemoryAllreduce:
             raise ShmAllocationError(f"mini_ddp: rank {self.rank} could not create {path}: "
                                      f"{err}") from err
         with self._lock:
-            stale = self._unmapped.pop(slot, None)
-            if stale is not None:
-                _unlink(stale)  # renewed twice before a reduction: the peer never maps it
+            self._drop_unmapped(slot)  # renewed twice before a reduction: never mapped
             del self._slots[id(tensor)]
             self._slots[id(fresh)] = slot
             self._own[slot], self._own_gen[slot], self._unmapped[slot] = fresh, gen, path
@@ -396,9 +393,8 @@ class SharedMemoryAllreduce:
         """
         slot = self._slot_of(tensor, "free")
         del self._slots[id(tensor)], self._own[slot], self._peer[slot]
-        stale = self._unmapped.pop(slot, None)
-        if stale is not None:
-            _unlink(stale)
+        with self._lock:
+            self._drop_unmapped(slot)
 
     def close(self, wait: bool = True) -> None:
         """Finish the queued work, stop the worker thread and drop every buffer. Idempotent.
@@ -427,9 +423,19 @@ class SharedMemoryAllreduce:
             raise ShmError(f"mini_ddp: rank {self.rank}: {what} on a closed shared-memory "
                            "all-reduce transport")
 
-    def _slot_of(self, tensor: Any, what: str) -> int:
+    def _live_slot(self, tensor: Any) -> int | None:
         slot = self._slots.get(id(tensor))
-        if slot is None or self._own.get(slot) is not tensor:
+        return slot if slot is not None and self._own.get(slot) is tensor else None
+
+    def _drop_unmapped(self, slot: int) -> None:
+        """Unlink ``slot``'s renewed file if it is still there (hold ``_lock``)."""
+        path = self._unmapped.pop(slot, None)
+        if path is not None:
+            _unlink(path)
+
+    def _slot_of(self, tensor: Any, what: str) -> int:
+        slot = self._live_slot(tensor)
+        if slot is None:
             if isinstance(tensor, torch.Tensor):
                 shown = (f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)} on "
                          f"{tensor.device}")
@@ -571,10 +577,8 @@ class SharedMemoryAllreduce:
         finally:
             # Join the done sync even if the sum failed, so the peer does not wait for us.
             both = self._agree(f"all_reduce of slot {slot}, done sync", ok)
-            with self._lock:
-                renewed = self._unmapped.pop(slot, None)
-            if renewed is not None:
-                _unlink(renewed)  # the peer mapped it before its done sync (or gave up)
+            with self._lock:  # the peer mapped it before its done sync (or gave up)
+                self._drop_unmapped(slot)
         if not both:
             raise ShmError(f"mini_ddp: rank {self.rank}: rank {self.peer} failed to sum its half "
                            f"of slot {slot}")

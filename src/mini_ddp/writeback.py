@@ -39,12 +39,17 @@ def copy_out(bucket: Bucket) -> None:
     """
     grads = []
     for param in bucket.params:
-        grad = param.grad
-        if grad is None:  # a fresh gradient with the parameter's own strides (layout contract)
-            grad = param.grad = torch.empty_strided(param.size(), param.stride(),
-                                                    dtype=param.dtype, device=param.device)
-        grads.append(grad)
+        if param.grad is None:
+            param.grad = _fresh_grad(param)
+        grads.append(param.grad)
     torch._foreach_copy_(grads, bucket.views)
+
+
+def _fresh_grad(param: torch.Tensor) -> torch.Tensor:
+    """An uninitialised ``.grad`` with the parameter's own strides (autograd's layout
+    contract, which DDP keeps when it allocates a gradient)."""
+    return torch.empty_strided(param.size(), param.stride(), dtype=param.dtype,
+                               device=param.device)
 
 
 def hand_out(bucket: Bucket) -> None:
@@ -95,16 +100,18 @@ def renew_buffer(bucket: Bucket, transport: SharedMemoryAllreduce | None) -> Non
         bucket.replace_buffer(torch.zeros_like(old))
 
 
-def handed_out_grads(buckets: Iterable[Bucket]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(param, view)`` for each ``.grad`` that is still its bucket view, held by nobody else.
+def handed_out_grads(buckets: Iterable[Bucket]) -> list[tuple[int, torch.Tensor]]:
+    """``(param index, view)`` for each ``.grad`` still its bucket view, held by nobody else.
 
     When the layout changes these move along into the new buffers (copied over by
     :func:`mini_ddp.graph_state.install_buckets`), so later steps keep writing in place
     instead of copying.
     """
     # held_elsewhere is asked before any pair of that bucket exists: the pairs would count.
-    return [(p, view) for bucket in buckets if bucket.handed_out and not held_elsewhere(bucket)
-            for p, view in zip(bucket.params, bucket.views, strict=True) if p.grad is view]
+    return [(index, view) for bucket in buckets
+            if bucket.handed_out and not held_elsewhere(bucket)
+            for index, p, view in zip(bucket.param_indices, bucket.params, bucket.views,
+                                      strict=True) if p.grad is view]
 
 
 def write_back(param: torch.Tensor, view_in: torch.Tensor, view_out: torch.Tensor,
@@ -122,12 +129,8 @@ def write_back(param: torch.Tensor, view_in: torch.Tensor, view_out: torch.Tenso
             param.grad = view_in
         return
     if param.grad is None:
-        # A fresh gradient with the parameter's own strides (autograd's layout contract).
-        grad = torch.empty_strided(param.size(), param.stride(), dtype=param.dtype,
-                                   device=param.device)
-        param.grad = grad.copy_(view_out)
-    else:
-        param.grad.copy_(view_out)
+        param.grad = _fresh_grad(param)
+    param.grad.copy_(view_out)
 
 
 # ---- who else holds a tensor: reference counts ------------------------------------------
