@@ -7,7 +7,7 @@ that replicates the model onto *every* visible GPU from inside each process, and
 to the other processes. Gradients were never averaged across ranks, so each process trained its
 own model on its own shard. One process per device plus a DDP wrapper (here
 ``DataParallelModel``) is the fix. The seed's title promise, ``torch.cuda.comm``'s
-broadcast/scatter/reduce helpers, is covered by ``mini_ddp.comm``; a DDP training loop needs
+broadcast/scatter/reduce helpers, is covered by ``mini_ddp.engine.comm``; a DDP training loop needs
 none of it directly. The seed also downloaded CIFAR-10 and asked for ``pretrained=False`` with a
 1000-way head; here nothing downloads and the head has 10 classes.
 
@@ -19,16 +19,16 @@ Run it (with no --data-dir it trains on scikit-learn's bundled handwritten digit
 ``--data-dir DIR`` trains on real CIFAR-10 from ``DIR/cifar-10-batches-py``.
 ``--checkpoint-dir DIR`` saves at every epoch end and resumes from there when rerun.
 ResNet-18 is slow on a CPU: use ``--max-steps`` for a quick look.
-The training loop, shared by the three seed examples, is ``src/mini_ddp/trainer.py``.
+The training loop, shared by the three seed examples, is ``src/mini_ddp/training/trainer.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from mini_ddp import trainer
-from mini_ddp.launch import DistInfo, launch
-from mini_ddp.models import resnet18_cifar
+from mini_ddp.training import trainer
+from mini_ddp.training.launch import DistInfo, launch
+from mini_ddp.training.models import resnet18_cifar
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace, info: DistInfo) -> None:
-    """One rank's run: torchvision's ResNet-18 with a 10-way head, trained by :func:`mini_ddp.trainer.train`."""
+    """One rank's run: torchvision's ResNet-18 with a 10-way head, trained by :func:`mini_ddp.training.trainer.train`."""
     trainer.train(args, info, build_model=resnet18_cifar, image_size=32)
 
 

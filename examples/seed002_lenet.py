@@ -4,7 +4,7 @@ The seed ("multi-machine deep learning with torch.distributed") called
 ``dist.init_process_group`` in the parent *and* again in every ``mp.spawn``'ed child, and then
 told readers to start that script with ``torch.distributed.launch``, which starts the children
 itself: three launchers stacked on one another. Here each rank process joins the group exactly
-once (mini_ddp.launch decides how, from the environment) and leaves it on every exit path.
+once (mini_ddp.training.launch decides how, from the environment) and leaves it on every exit path.
 It also downloaded CIFAR-10 on every rank; nothing here downloads anything.
 
 Run it (with no --data-dir it trains on scikit-learn's bundled handwritten digits):
@@ -16,16 +16,16 @@ Run it (with no --data-dir it trains on scikit-learn's bundled handwritten digit
 
 ``--data-dir DIR`` trains on real CIFAR-10 from ``DIR/cifar-10-batches-py``.
 ``--checkpoint-dir DIR`` saves at every epoch end and resumes from there when rerun.
-The training loop, shared by the three seed examples, is ``src/mini_ddp/trainer.py``.
+The training loop, shared by the three seed examples, is ``src/mini_ddp/training/trainer.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from mini_ddp import trainer
-from mini_ddp.launch import DistInfo, launch
-from mini_ddp.models import Seed002CNN
+from mini_ddp.training import trainer
+from mini_ddp.training.launch import DistInfo, launch
+from mini_ddp.training.models import Seed002CNN
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace, info: DistInfo) -> None:
-    """One rank's run: seed 002's LeNet-style CNN, trained by :func:`mini_ddp.trainer.train`."""
+    """One rank's run: seed 002's LeNet-style CNN, trained by :func:`mini_ddp.training.trainer.train`."""
     trainer.train(args, info, build_model=Seed002CNN, image_size=Seed002CNN.input_size)
 
 

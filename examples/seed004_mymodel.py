@@ -15,16 +15,16 @@ Run it (with no --data-dir it trains on scikit-learn's bundled handwritten digit
 
 ``--data-dir DIR`` trains on real CIFAR-10 from ``DIR/cifar-10-batches-py``, resized to 14 x 14.
 ``--checkpoint-dir DIR`` saves at every epoch end and resumes from there when rerun.
-The training loop, shared by the three seed examples, is ``src/mini_ddp/trainer.py``.
+The training loop, shared by the three seed examples, is ``src/mini_ddp/training/trainer.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from mini_ddp import trainer
-from mini_ddp.launch import DistInfo, launch
-from mini_ddp.models import Seed004MyModel
+from mini_ddp.training import trainer
+from mini_ddp.training.launch import DistInfo, launch
+from mini_ddp.training.models import Seed004MyModel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace, info: DistInfo) -> None:
-    """One rank's run: seed 004's MyModel (14 x 14 input), trained by :func:`mini_ddp.trainer.train`."""
+    """One rank's run: seed 004's MyModel (14 x 14 input), trained by :func:`mini_ddp.training.trainer.train`."""
     trainer.train(args, info, build_model=Seed004MyModel, image_size=Seed004MyModel.input_size)
 
 

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mini_ddp
 from mini_ddp import DataParallelModel, local_comm, run_ranks
-from mini_ddp.multi_device import MultiDeviceDataParallel
+from mini_ddp.engine.multi_device import MultiDeviceDataParallel
 
 # Deterministic cuBLAS, so that two identical computations give identical bits.
 RANK_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}

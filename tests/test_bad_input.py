@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import DataParallelModel, MarkedTwiceError, MiniDDPError, run_ranks
-from mini_ddp.comm import ParameterMismatchError
+from mini_ddp.engine.comm import ParameterMismatchError
 
 WORLD = 3
 

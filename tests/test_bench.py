@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from mini_ddp import bench
-from mini_ddp.bench_models import BENCH_MODELS, ENGINES, build_engine, tensor_bytes
+from mini_ddp.tools import bench
+from mini_ddp.tools.bench_models import BENCH_MODELS, ENGINES, build_engine, tensor_bytes
 
 
 @pytest.mark.timeout(300)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mini_ddp.buckets import Bucket, assign_buckets, build_buckets
-from mini_ddp.config import DataParallelConfig
+from mini_ddp.engine.buckets import Bucket, assign_buckets, build_buckets
+from mini_ddp.engine.config import DataParallelConfig
 
 DTYPES = [torch.float32, torch.float64, torch.float16]
 

@@ -12,7 +12,13 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import run_ranks
-from mini_ddp.checkpoint import LATEST, PREVIOUS, TrainState, load_checkpoint, save_checkpoint
+from mini_ddp.training.checkpoint import (
+    LATEST,
+    PREVIOUS,
+    TrainState,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 class Wrapper(nn.Module):
@@ -88,7 +94,7 @@ def _two_checkpoints(tmp_path) -> tuple[nn.Module, torch.optim.Optimizer, list[t
 
 def _assert_fell_back(tmp_path, caplog, step1_params):
     model, opt = make(3)
-    with caplog.at_level(logging.WARNING, logger="mini_ddp.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mini_ddp.training.checkpoint"):
         state = load_checkpoint(str(tmp_path), model, opt)
     assert state is not None and state.step == 1
     for a, b in zip(params(model), step1_params, strict=True):
@@ -133,7 +139,7 @@ def test_nothing_usable_returns_none(tmp_path, caplog):
     assert load_checkpoint(str(tmp_path / "missing"), model, opt) is None
     (tmp_path / LATEST).write_bytes(b"junk")
     (tmp_path / PREVIOUS).write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="mini_ddp.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mini_ddp.training.checkpoint"):
         assert load_checkpoint(str(tmp_path), model, opt) is None
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
 

@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from mini_ddp.collective_bench import ALGORITHMS, main, parse_bytes
-from mini_ddp.collectives.cost import cost_terms, fit_alpha_beta, predict
+from mini_ddp.tools.collective_bench import ALGORITHMS, main, parse_bytes
+from mini_ddp.transport.collectives.cost import cost_terms, fit_alpha_beta, predict
 
 
 def test_end_to_end_tiny(tmp_path, capsys):

@@ -18,14 +18,14 @@ from torch.distributed import ReduceOp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp.collectives import (
+from mini_ddp.training.spawn import run_ranks
+from mini_ddp.transport.collectives import (
     ALLREDUCES,
     collective_hook,
     ring_allreduce,
     tree_broadcast,
     tree_reduce,
 )
-from mini_ddp.spawn import run_ranks
 
 
 def _portable(t: torch.Tensor):

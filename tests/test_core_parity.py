@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.models import Seed002CNN, Seed004MyModel, resnet18_cifar
+from mini_ddp.training.models import Seed002CNN, Seed004MyModel, resnet18_cifar
 
 
 class UnusedBranch(nn.Module):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mini_ddp.data import CIFAR10_FOLDER, load_cifar10, load_datasets, load_digits
+from mini_ddp.training.data import CIFAR10_FOLDER, load_cifar10, load_datasets, load_digits
 
 
 @pytest.mark.parametrize("size", [32, 14])

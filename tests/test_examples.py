@@ -1,7 +1,7 @@
 """The examples run end to end on 2 ranks under every launcher, learn, and resume exactly.
 
 Each example runs as a real subprocess (torchrun, ``--world-size`` spawn, the legacy
-``torch.distributed.launch``), so these tests also cover mini_ddp.launch's process handling.
+``torch.distributed.launch``), so these tests also cover mini_ddp.training.launch's process handling.
 Runs are cut to a couple of tiny steps: start-up (importing torch in 3 processes, about 30
 CPU-seconds per launch) dominates, so there are as few launches as the coverage allows, and the
 resume check runs in this process.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mini_ddp.launch import add_launch_args, detect_launcher
+from mini_ddp.training.launch import add_launch_args, detect_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = ROOT / "examples"
@@ -107,8 +107,8 @@ def test_stop_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, cap
     run that never stopped (one rank, in this process: no start-up cost)."""
     import torch
 
-    from mini_ddp.checkpoint import load_checkpoint
-    from mini_ddp.models import Seed002CNN
+    from mini_ddp.training.checkpoint import load_checkpoint
+    from mini_ddp.training.models import Seed002CNN
 
     spec = importlib.util.spec_from_file_location("seed002_lenet", EXAMPLE_DIR / "seed002_lenet.py")
     module = importlib.util.module_from_spec(spec)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.buckets import describe_layout
-from mini_ddp.explain import MixedDtypeMLP, explain, layouts, main
+from mini_ddp.engine.buckets import describe_layout
+from mini_ddp.observe.explain import MixedDtypeMLP, explain, layouts, main
 
 
 def _net() -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_ddp import local_comm
+from mini_ddp.transport import local_comm
 
 CPU3 = ["cpu", "cpu", "cpu"]
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import run_ranks
-from mini_ddp.multi_device import MultiDeviceDataParallel
+from mini_ddp.engine.multi_device import MultiDeviceDataParallel
 
 TIMEOUT = dict(timeout_s=120, collective_timeout_s=60)
 

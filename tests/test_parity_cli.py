@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from mini_ddp import parity
-from mini_ddp.parity_report import compare_tensors, ulp_distance
+from mini_ddp.tools import parity
+from mini_ddp.tools.parity_report import compare_tensors, ulp_distance
 
 RESNET_ARGS = ["--model", "resnet18", "--world-size", "3", "--batch-size", "2"]
 
@@ -23,7 +23,7 @@ RESNET_ARGS = ["--model", "resnet18", "--world-size", "3", "--batch-size", "2"]
 def test_cli_resnet18_world_size_3_is_bitwise_equal_and_exits_0():
     # The real command line, in a fresh interpreter: what a user runs.
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "mini_ddp.parity", *RESNET_ARGS, "--steps", "5"],
+    proc = subprocess.run([sys.executable, "-m", "mini_ddp.tools.parity", *RESNET_ARGS, "--steps", "5"],
                           capture_output=True, text=True, timeout=580, env=env)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
@@ -90,7 +90,7 @@ def test_resolve_model_specs():
 
     assert parity.resolve_model("torchvision:resnet18") is models.resnet18
     assert parity.resolve_model("torchvision.models:resnet18") is models.resnet18
-    assert parity.resolve_model("mini_ddp.parity:_mlp") is parity._mlp
+    assert parity.resolve_model("mini_ddp.tools.parity:_mlp") is parity._mlp
     assert isinstance(parity.resolve_model("lenet")(), torch.nn.Sequential)
     with pytest.raises(ValueError, match="unknown model"):
         parity.resolve_model("no-such-model")

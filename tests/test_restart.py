@@ -32,9 +32,9 @@ import pytest
 import torch
 
 from mini_ddp import run_ranks
-from mini_ddp.checkpoint import LATEST, load_checkpoint
-from mini_ddp.launch import DistInfo, stop_torchrun
-from mini_ddp.models import Seed002CNN
+from mini_ddp.training.checkpoint import LATEST, load_checkpoint
+from mini_ddp.training.launch import DistInfo, stop_torchrun
+from mini_ddp.training.models import Seed002CNN
 
 ROOT = Path(__file__).resolve().parents[1]
 HELPER = ROOT / "tests" / "helpers" / "resume_example.py"
@@ -120,8 +120,7 @@ class _RunsCode:
 
 
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path: Path) -> None:
-    from mini_ddp import checkpoint
-
+    from mini_ddp.training import checkpoint
     marker = tmp_path / "code_ran"
     payload = {"model": _RunsCode(str(marker)), "step": 1}
     (tmp_path / LATEST).write_bytes(checkpoint._encode(payload))  # a valid checksum footer

@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce (mini_ddp.shm) is bitwise Gloo's SUM, and fails loudly, not slowly.
+"""The shared-memory all-reduce (mini_ddp.transport.shm) is bitwise Gloo's SUM, and fails loudly, not slowly.
 
 Process start-up is the expensive part, so every world-size-2 case that leaves the peer alive
 runs inside one ``run_ranks`` call: the ranks compare against ``dist.all_reduce`` themselves
@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mini_ddp.buckets import storage_use_count
-from mini_ddp.shm import (
+from mini_ddp.engine.buckets import storage_use_count
+from mini_ddp.training.spawn import RanksFailed, run_ranks
+from mini_ddp.transport.shm import (
     FILE_PREFIX,
     SHM_DIR,
     SharedMemoryAllreduce,
@@ -31,7 +32,6 @@ from mini_ddp.shm import (
     ShmError,
     shm_supported,
 )
-from mini_ddp.spawn import RanksFailed, run_ranks
 
 DTYPES = (torch.float32, torch.float64)
 STEPS = 3  # the same buffers reduced again, with new data, step after step

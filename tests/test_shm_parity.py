@@ -1,6 +1,6 @@
 """Two ranks on one machine: buckets summed through shared memory train bit for bit like torch DDP.
 
-At world size 2 DataParallelModel sums big float buckets through :mod:`mini_ddp.shm` instead of
+At world size 2 DataParallelModel sums big float buckets through :mod:`mini_ddp.transport.shm` instead of
 Gloo. Here ``shared_memory_min_bytes=0`` puts *every* bucket there, and each case trains torch
 DDP (Gloo) and DataParallelModel side by side in the same two ranks, comparing every gradient
 after every backward and every parameter and buffer after every step with ``torch.equal``.
@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import DataParallelModel, RanksFailed, run_ranks
-from mini_ddp.models import Seed002CNN, resnet18_cifar
+from mini_ddp.training.models import Seed002CNN, resnet18_cifar
 
 CASES = {
     # name: (model factory, input shape, DDP keywords, steps, no_sync steps)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
-from mini_ddp.watchdog import StallReport, StallWatchdog, _holds_up
+from mini_ddp.observe.watchdog import StallReport, StallWatchdog, _holds_up
 
 LIMIT_S = 3.0
 SYNC_TIMEOUT_S = 60.0  # far above the limit: a report before it comes from the watchdog

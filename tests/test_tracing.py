@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.timeline import overlap, overlap_summary, plot_timeline, spans
-from mini_ddp.tracing import (
+from mini_ddp.observe.timeline import overlap, overlap_summary, plot_timeline, spans
+from mini_ddp.observe.tracing import (
     RankTrace,
     TraceRecorder,
     attach,

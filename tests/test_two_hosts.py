@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from mini_ddp.launch import stop_torchrun
+from mini_ddp.training.launch import stop_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "helpers" / "two_hosts_train.py"

@@ -6,10 +6,11 @@ it: tracing and layout explanations, stall and desync detection, teaching collec
 rank harness the tests and tools are built on.
 """
 
-from mini_ddp.collectives import collective_hook
-from mini_ddp.comm import ParameterMismatchError
-from mini_ddp.config import DataParallelConfig
-from mini_ddp.desync import DesyncDetector, DesyncError, check_in_sync
+from mini_ddp.engine.comm import ParameterMismatchError
+from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.engine.hooks import CommHookTimeout, GradBucket, gloo_safe
+from mini_ddp.engine.model import DataParallelModel
+from mini_ddp.engine.multi_device import MultiDeviceDataParallel
 from mini_ddp.errors import (
     CollectiveError,
     GradSyncTimeout,
@@ -17,14 +18,13 @@ from mini_ddp.errors import (
     MiniDDPError,
     UnfinishedReductionError,
 )
-from mini_ddp.explain import explain
-from mini_ddp.hooks import CommHookTimeout, GradBucket, gloo_safe
-from mini_ddp.model import DataParallelModel
-from mini_ddp.multi_device import MultiDeviceDataParallel
-from mini_ddp.shm import SharedMemoryAllreduce
-from mini_ddp.spawn import RankContext, RanksFailed, run_ranks
-from mini_ddp.tracing import TraceRecorder, trace
-from mini_ddp.watchdog import StallError, StallWatchdog
+from mini_ddp.observe.desync import DesyncDetector, DesyncError, check_in_sync
+from mini_ddp.observe.explain import explain
+from mini_ddp.observe.tracing import TraceRecorder, trace
+from mini_ddp.observe.watchdog import StallError, StallWatchdog
+from mini_ddp.training.spawn import RankContext, RanksFailed, run_ranks
+from mini_ddp.transport.collectives import collective_hook
+from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 __all__ = [
     "CollectiveError",

@@ -7,7 +7,7 @@ Start it exactly like the example (``torchrun ... tests/helpers/resume_example.p
 step S (counted from 1), after truncating ``DIR/latest.pt`` first when ``corrupt`` is true.
 Every rank appends ``{"attempt", "rank", "resumed_step"}`` to ``MINI_DDP_TEST_JOURNAL``.
 
-The example is loaded from its file and two names of its training loop (``mini_ddp.trainer``)
+The example is loaded from its file and two names of its training loop (``mini_ddp.training.trainer``)
 are wrapped: ``load_checkpoint`` (to journal where the rank resumed) and ``DataParallelModel``
 (to count forwards). Nothing else in its training code is touched.
 """

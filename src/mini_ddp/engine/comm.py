@@ -1,0 +1,128 @@
+"""Moving whole tensors between processes: the start-up checks and broadcasts.
+
+* :func:`verify_params_across_ranks` — every rank must hold the same parameters before
+  anything is broadcast or reduced; a mismatch is reported *on every rank*, naming the rank,
+  the parameter and both shapes (one all-gather, so a mismatch can never turn into a hang).
+* :func:`dist_broadcast_coalesced` — rank 0's parameters and buffers to everyone, with few large
+  collectives: tensors grouped by dtype and device into flat groups of bounded size
+  (torch's own flatten/unflatten helpers), as ``dist._broadcast_coalesced`` does for DDP.
+
+This is the inter-process level. Between the devices of *one* process (``torch.cuda.comm``:
+broadcast, reduce-add, scatter, gather) see :mod:`mini_ddp.transport.local_comm`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from mini_ddp.errors import MiniDDPError, naming_collective
+
+# DDP broadcasts module state in groups of at most 250 MiB.
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+class ParameterMismatchError(MiniDDPError):
+    """Ranks hold different parameters (count, name, shape, stride or dtype)."""
+
+
+def _describe(name: str, t: torch.Tensor) -> tuple:
+    return (name, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type)
+
+
+def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
+                               group: dist.ProcessGroup | None = None) -> None:
+    """Raise :class:`ParameterMismatchError` on every rank unless all ranks agree with rank 0.
+
+    Compares, in order, each parameter's name, shape, stride, dtype and device type.
+    """
+    mine = [_describe(n, t) for n, t in named_params]
+    everyone: list = [None] * dist.get_world_size(group)
+    with naming_collective(dist.get_rank(group), "the start-up all-gather that checks every "
+                           "rank holds the same parameters"):
+        dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        problem = _first_difference(reference, theirs, rank)
+        if problem:
+            raise ParameterMismatchError(
+                f"mini_ddp: ranks hold different models: {problem}. Every rank must build the "
+                f"same model (same parameters, in the same order, with the same shapes) "
+                f"before wrapping it in DataParallelModel.")
+
+
+def _first_difference(reference: list, theirs: list, rank: int) -> str | None:
+    fields = ("name", "shape", "stride", "dtype", "device type")
+    for position, (ref, other) in enumerate(zip(reference, theirs, strict=False)):
+        for field, a, b in zip(fields, ref, other, strict=True):
+            if a != b:
+                if field == "name":
+                    return (f"parameter #{position} is '{b}' on rank {rank} but '{a}' on rank 0 "
+                            f"(shapes {list(other[1])} vs {list(ref[1])})")
+                return (f"parameter '{ref[0]}' has {field} {_fmt(b)} on rank {rank} "
+                        f"but {_fmt(a)} on rank 0")
+    if len(reference) != len(theirs):
+        longer, who = (theirs, rank) if len(theirs) > len(reference) else (reference, 0)
+        extra = longer[min(len(reference), len(theirs))]
+        return (f"rank {rank} has {len(theirs)} parameters requiring grad, rank 0 has "
+                f"{len(reference)}; the first extra one is '{extra[0]}' with shape "
+                f"{list(extra[1])} on rank {who}")
+    return None
+
+
+def _fmt(value: object) -> str:
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
+                             group: dist.ProcessGroup | None = None,
+                             bucket_bytes: int = BROADCAST_BUCKET_BYTES,
+                             timeout_s: float | None = None) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in few collectives.
+
+    Tensors are grouped by (dtype, device) in order, each group capped at ``bucket_bytes``,
+    flattened into one tensor, broadcast, and copied back. Values are copied exactly, so the
+    grouping never changes a bit — it only saves collectives. ``timeout_s`` bounds the wait for
+    each broadcast (None: the process group's timeout); RuntimeError when it runs out.
+    """
+    with torch.no_grad():
+        for group_tensors in _coalesce_groups(tensors, bucket_bytes):
+            flat = _flatten_dense_tensors(group_tensors)
+            work = dist.broadcast(flat, src=src, group=group, async_op=True)
+            _wait_bounded(work, timeout_s)
+            for t, synced in zip(group_tensors,
+                                 _unflatten_dense_tensors(flat, group_tensors), strict=True):
+                t.copy_(synced)
+
+
+def _wait_bounded(work: dist.Work, timeout_s: float | None) -> None:
+    if timeout_s is None:
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        if work.is_completed():
+            raise  # the collective itself failed (e.g. a peer closed its connection)
+        raise RuntimeError(f"no answer within {timeout_s} s (DataParallelModel's "
+                           "sync_timeout_s)") from err
+
+
+def _coalesce_groups(tensors: Sequence[torch.Tensor], bucket_bytes: int
+                     ) -> list[list[torch.Tensor]]:
+    groups: list[list[torch.Tensor]] = []
+    current: dict[tuple, list[torch.Tensor]] = {}
+    current_bytes: dict[tuple, int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        current.setdefault(key, []).append(t.detach())
+        current_bytes[key] = current_bytes.get(key, 0) + t.numel() * t.element_size()
+        if current_bytes[key] >= bucket_bytes:
+            groups.append(current.pop(key))
+            current_bytes[key] = 0
+    groups.extend(g for g in current.values() if g)
+    return groups

@@ -1,0 +1,127 @@
+"""Every knob of DataParallelModel in one dataclass, each with what it means and why."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from mini_ddp.engine.buckets import DEFAULT_BUCKET_CAP_MB, MIB
+
+
+@dataclass
+class DataParallelConfig:
+    """How gradients are bucketed, synchronised and checked. Defaults are torch DDP's."""
+
+    bucket_cap_mb: float | None = None
+    """Bucket size cap in MiB (DDP calls it MB). ``None`` means DDP's default of 25 MiB *and*
+    a small first bucket (``first_bucket_bytes``) after the rebuild; an explicit value uses
+    that cap for every bucket, the first included."""
+
+    first_bucket_bytes: int | None = None
+    """Cap of the first bucket after the rebuild. ``None`` reads DDP's module-level
+    ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) when ``bucket_cap_mb`` is
+    ``None``, else equals the cap — exactly how DDP chooses it."""
+
+    find_unused_parameters: bool = False
+    """Walk the autograd graph from the forward outputs each step and treat parameters it
+    cannot reach as ready (with zero gradients). Costs a graph walk per step; parameters that no
+    rank used keep their ``.grad`` untouched. Disables the bucket rebuild, as in DDP."""
+
+    gradient_as_bucket_view: bool = False
+    """Leave ``param.grad`` as a view into its bucket after the step instead of copying the
+    result out: saves one gradient-sized copy and the memory of separate ``.grad`` tensors."""
+
+    static_graph: bool = False
+    """Promise that the same parameters get gradients, the same number of times, every
+    iteration. Iteration 1 reduces everything after backward and records the pattern; later
+    iterations may fire a parameter's hook several times (activation checkpointing)."""
+
+    init_sync: bool = True
+    """At construction, verify all ranks hold the same parameters and broadcast rank 0's
+    parameters (and buffers, see ``init_sync_buffers``)."""
+
+    init_sync_buffers: bool = True
+    """Include buffers in the initial broadcast (DDP: follows ``broadcast_buffers``)."""
+
+    forward_sync_buffers: bool = True
+    """Broadcast rank 0's buffers (BatchNorm statistics, …) before each forward that runs with
+    grad enabled — except right after a forward under ``no_grad`` or ``no_sync()``, as DDP."""
+
+    sync_timeout_s: float | None = 300.0
+    """How long the end of backward waits for one bucket's collective, and a forward for the
+    buffer broadcast, before raising :class:`mini_ddp.errors.GradSyncTimeout` naming what it
+    waited for (``None``: wait forever). torch DDP has no such bound; it waits for the process
+    group's timeout (30 min)."""
+
+    zero_copy_write_back: bool = True
+    """After the all-reduce, make ``param.grad`` the bucket's view instead of copying the bucket
+    into a separate ``.grad`` (DDP's default). Same bits, one gradient-sized copy less at the
+    end of every backward, and the separate ``.grad`` tensors are freed. Before the next
+    backward overwrites a bucket, the reducer checks that nothing but ``.grad`` looks into it
+    (a gradient saved without ``clone()``, a view of one); if something does, that bucket
+    moves to a fresh buffer, so saved gradients keep their values as under DDP. Applies to the
+    plain path only (not with ``find_unused_parameters``, ``static_graph`` or
+    ``gradient_as_bucket_view``, which keep DDP's rules). ``False``: copy, exactly as DDP."""
+
+    shared_memory_allreduce: bool = True
+    """With exactly two CPU ranks on one machine (the default group, Gloo), sum buckets of
+    float32/float64 through shared memory (:mod:`mini_ddp.transport.shm`) instead of Gloo's loopback
+    TCP: a quarter of the CPU time for large buckets. Bitwise the same: at world size 2 every
+    element is one IEEE addition, which is commutative. Off, or any other job: Gloo."""
+
+    shared_memory_min_bytes: int = 1 << 20
+    """Smaller buckets stay on Gloo: the shared-memory path costs two small Gloo syncs and a
+    thread hand-off per bucket, more than Gloo needs for a few KiB."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"mini_ddp: bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if self.first_bucket_bytes is None:
+            self.first_bucket_bytes = (dist._DEFAULT_FIRST_BUCKET_BYTES
+                                       if self.bucket_cap_mb is None else self.bucket_bytes_cap)
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes (DDP truncates MiB × 2**20 to an integer)."""
+        cap = DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb
+        return int(cap * MIB)
+
+    def initial_size_limits(self) -> list[int]:
+        """Caps for iteration 1's layout, over the parameters' definition order.
+
+        Without unused-parameter search (or with a static graph) DDP puts everything of one
+        dtype/device into a single bucket: definition order is not backward order, and a wrong
+        early launch could deadlock against other collectives. The rebuild fixes the layout.
+        """
+        if self.static_graph or not self.find_unused_parameters:
+            return [sys.maxsize]
+        if self.first_bucket_bytes < self.bucket_bytes_cap:
+            return [self.first_bucket_bytes, self.bucket_bytes_cap]
+        return [self.bucket_bytes_cap]
+
+    def rebuild_size_limits(self) -> list[int]:
+        """Caps for the one-time rebuild over gradient-ready order: [first bucket, cap]."""
+        return [self.first_bucket_bytes, self.bucket_bytes_cap]
+
+    def layout_reason(self, rebuilt: bool) -> str:
+        """Why the bucket layout is what it is, in one line (start-up log, ``explain``)."""
+        caps = (f"cap {_mib(self.bucket_bytes_cap)}" if self.first_bucket_bytes
+                == self.bucket_bytes_cap else f"first bucket cap "
+                f"{_mib(self.first_bucket_bytes)}, then {_mib(self.bucket_bytes_cap)}")
+        if rebuilt:
+            when = "iteration 2" if self.static_graph else "iteration 1"
+            return (f"rebuilt once, in the order gradients became ready in {when}'s backward "
+                    f"(rank 0's order, broadcast to all ranks), {caps}")
+        if self.static_graph or not self.find_unused_parameters:
+            flag = "static_graph=True" if self.static_graph else "find_unused_parameters=False"
+            return (f"iteration 1: one bucket per dtype/device, no size cap ({flag}: DDP does "
+                    f"not cut buckets before it has seen the gradient-ready order; rebuilt "
+                    f"before the {'third' if self.static_graph else 'second'} forward)")
+        return (f"definition order, last parameters first, {caps} "
+                f"(find_unused_parameters=True: never rebuilt)")
+
+
+def _mib(nbytes: int | None) -> str:
+    return f"{(nbytes or 0) / MIB:.4g} MiB ({nbytes:,} bytes)"

@@ -1,0 +1,271 @@
+"""The one door every collective goes through: communication hooks.
+
+The reducer never calls ``dist.all_reduce`` itself. It hands each full bucket, wrapped in a
+:class:`GradBucket` (the same interface as torch's ``dist.GradBucket``), to a hook
+``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``. Without a user hook it uses
+:func:`allreduce_sum_hook`, which — together with the reducer's pre-scaling by
+``1/world_size`` while copying gradients in — is exactly what torch DDP does by default.
+torch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, PowerSGD, …) and
+ours (``mini_ddp.transport.collectives.collective_hook``) therefore all enter by the same door.
+
+Some of torch's hooks launch a collective from inside a ``.then()`` callback and ``.wait()`` on
+it there (PowerSGD, the quantization hooks). On Gloo that callback runs on one of the process
+group's worker threads, and with more than one bucket in flight it deadlocks or pairs up
+mismatched collectives across ranks — in torch DDP too. :func:`gloo_safe` fixes it by finishing
+each bucket before the next one starts; ``DataParallelModel.register_comm_hook`` applies it to
+those hooks automatically on Gloo. docs/comm_hooks.md has the evidence.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mini_ddp.errors import MiniDDPError
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+logger = logging.getLogger("mini_ddp")
+
+_GLOO_SAFE = "_mini_ddp_gloo_safe"  # marks a hook that already finishes each bucket itself
+
+
+class GradBucket:
+    """What a comm hook sees of one bucket; mirrors ``torch.distributed.GradBucket``."""
+
+    def __init__(self, index: int, is_last: bool, buffer: torch.Tensor,
+                 params: list[torch.Tensor], offsets: list[int]):
+        self._index = index
+        self._is_last = is_last
+        self._buffer = buffer
+        self._params = params
+        self._offsets = offsets
+
+    def index(self) -> int:
+        """Position of the bucket in launch order (0 is launched first)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat 1-D gradient tensor of this bucket (what gets reduced)."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's gradient as a view into :meth:`buffer`, shaped like the parameter."""
+        return [self._buffer.narrow(0, off, p.numel()).view(p.shape)
+                for p, off in zip(self._params, self._offsets, strict=True)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients this bucket holds, in buffer order."""
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        """True for the last bucket of the step (hooks use it to count iterations)."""
+        return self._is_last
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the tensor :meth:`buffer` (and :meth:`gradients`) return, as torch does.
+
+        ``fp16_compress_wrapper`` uses it to hand the wrapped hook a half-precision copy.
+        """
+        self._buffer = buffer
+
+
+class CommHookTimeout(MiniDDPError):
+    """A :func:`gloo_safe` hook's future did not complete within its deadline."""
+
+
+def hook_name(hook: object) -> str:
+    """A readable name for a hook in error messages (``functools.partial`` included)."""
+    for candidate in (hook, getattr(hook, "func", None)):
+        name = getattr(candidate, "__qualname__", None)
+        if isinstance(name, str):
+            return name
+    return repr(hook)
+
+
+def allreduce_sum_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket
+                       ) -> torch.futures.Future:
+    """Sum the bucket across ranks, in place. The default path.
+
+    No division here: without a user hook, gradients were already multiplied by
+    ``1/world_size`` on their way into the bucket (DDP's choice — it saves one pass, and
+    ``x * (1/n)`` is not bitwise ``x / n``, so doing the same is what keeps parity). This is
+    why torch's ``allreduce_hook`` (``div_`` then sum) is not bitwise equal to it at world
+    size 3.
+    """
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future()
+
+
+def check_comm_hook(hook: object) -> None:
+    """Refuse, at registration, a hook that cannot be called as ``hook(state, bucket)``.
+
+    The annotation rules are torch DDP's (``DistributedDataParallel._check_comm_hook``). Two
+    deliberate differences: a hook taking fewer than two positional arguments is refused here
+    (torch finds out only when backward calls it), and the bucket argument may have any name
+    (torch raises ``KeyError: 'bucket'`` otherwise). torch also refuses
+    ``bf16_compress_hook`` unless CUDA and NCCL >= 2.10 are present; we don't: bfloat16
+    all-reduce works on Gloo (see docs/comm_hooks.md).
+    """
+    if not callable(hook):
+        raise TypeError(f"mini_ddp: communication hook must be callable, got {hook!r} "
+                        f"(a {type(hook).__name__})")
+    name = hook_name(hook)
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: trust them, as torch does
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise TypeError(f"mini_ddp: communication hook {name} must take two arguments "
+                        f"(state, bucket); its signature is {name}{sig}")
+    bucket_param = sig.parameters.get("bucket", positional[1] if len(positional) > 1 else None)
+    if bucket_param is not None and bucket_param.annotation not in (
+            inspect.Parameter.empty, dist.GradBucket, GradBucket, "dist.GradBucket",
+            "GradBucket"):
+        raise ValueError(f"mini_ddp: communication hook {name}: bucket annotation should be "
+                         f"dist.GradBucket, got {bucket_param.annotation!r}.")
+    if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future,
+                                     torch.futures.Future[torch.Tensor]) \
+            and not isinstance(sig.return_annotation, str):
+        raise ValueError(f"mini_ddp: communication hook {name}: return annotation should be "
+                         f"torch.futures.Future[torch.Tensor], got {sig.return_annotation!r}.")
+
+
+def result_tensor(value: object, hook: object, bucket: GradBucket) -> torch.Tensor:
+    """The tensor a hook's future resolved to, checked against the bucket it came from.
+
+    torch DDP accepts only a tensor (a list fails with "Unable to cast"), but does *not* check
+    its shape: a short result silently leaves stale gradients. We refuse both, naming the hook
+    and the bucket. The dtype may differ (``fp16_compress_wrapper`` returns a float16 tensor):
+    writing back into ``.grad`` casts, as in torch.
+    """
+    if hook is None and isinstance(value, list) and len(value) == 1:
+        value = value[0]  # the default path: dist.all_reduce's future holds [tensor]
+    name = hook_name(hook) if hook is not None else "allreduce_sum_hook"
+    if not isinstance(value, torch.Tensor):
+        hint = (" A Future from dist.all_reduce(...).get_future() holds a list: return "
+                "fut.then(lambda f: f.value()[0]) instead, as torch's allreduce_hook does."
+                if isinstance(value, (list, tuple)) else "")
+        raise TypeError(f"mini_ddp: communication hook {name} must return a Future holding "
+                        f"one tensor; for bucket {bucket.index()} it held a "
+                        f"{type(value).__name__}.{hint}")
+    expected = sum(p.numel() for p in bucket.parameters())
+    if tuple(value.shape) != (expected,):
+        raise ValueError(
+            f"mini_ddp: communication hook {name} returned a tensor of shape "
+            f"{list(value.shape)} for bucket {bucket.index()}, expected [{expected}] (the "
+            f"shape of bucket.buffer(): one flat gradient tensor).")
+    return value
+
+
+# ---- Gloo and hooks that launch collectives from their callbacks ------------------------------
+def gloo_safe(hook: CommHook, timeout_s: float | None = 300.0) -> CommHook:
+    """Wrap ``hook`` so that each bucket's future completes before the hook returns.
+
+    Why: on Gloo a future's ``.then()`` callbacks run on the process group's worker threads
+    (2 by default). PowerSGD's callbacks launch the next all-reduce *and wait for it* there.
+    With several buckets in flight, every worker ends up blocked in such a callback while the
+    collectives they wait for sit in the queue behind them: a deadlock. And because each
+    collective's Gloo tag is taken when it is launched, ranks that launch the nested
+    collectives in different interleavings pair up different collectives ("Received data size
+    doesn't match expected size"). Finishing a bucket before the next is launched fixes both:
+    one callback blocks one worker while the other runs the nested collective, and every rank
+    launches the same collectives in the same order. The price: this hook's communication no
+    longer overlaps the rest of backward.
+
+    Works with torch DDP too (``ddp.register_comm_hook(state, gloo_safe(powerSGD_hook))``).
+    Needs at least two Gloo worker threads (the default). ``timeout_s=None`` waits forever.
+    """
+    if getattr(hook, _GLOO_SAFE, False):
+        return hook
+    name = f"gloo_safe({hook_name(hook)})"
+
+    # No annotations: this module uses postponed (string) annotations, which torch DDP's
+    # registration check refuses; an unannotated hook passes it.
+    def gloo_safe_hook(state, bucket):
+        future = hook(state, bucket)
+        if isinstance(future, torch._C.Future) and not future.done():
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())  # also fires on error
+            if not done.wait(timeout_s):
+                raise CommHookTimeout(
+                    f"mini_ddp: communication hook {name} did not complete bucket "
+                    f"{bucket.index()} within {timeout_s} s: another rank is probably dead or "
+                    "stuck, or this Gloo group has a single worker thread (gloo_safe needs "
+                    "two).")
+        return future  # a wrong return type is left for the caller to report
+
+    gloo_safe_hook.__name__ = gloo_safe_hook.__qualname__ = name
+    gloo_safe_hook.hook = hook  # type: ignore[attr-defined]
+    setattr(gloo_safe_hook, _GLOO_SAFE, True)
+    return gloo_safe_hook
+
+
+def _hooks_that_wait_in_callbacks() -> tuple[Callable, ...]:
+    """torch's hooks whose ``.then()`` callbacks launch a collective and wait for it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as quant
+
+    return (psgd.powerSGD_hook, psgd.batched_powerSGD_hook, quant.quantization_pertensor_hook,
+            quant.quantization_perchannel_hook)
+
+
+def waits_in_callbacks(hook: object) -> bool:
+    """True if ``hook`` is, or wraps, one of torch's hooks that wait inside callbacks.
+
+    Looks through ``functools.partial``, ``__wrapped__`` and closures (so
+    ``fp16_compress_wrapper(powerSGD_hook)`` counts), and stops at :func:`gloo_safe`.
+    """
+    known = _hooks_that_wait_in_callbacks()
+    todo, seen = [hook], set()
+    while todo:
+        current = todo.pop()
+        if id(current) in seen or getattr(current, _GLOO_SAFE, False):
+            continue
+        seen.add(id(current))
+        if any(current is k for k in known):
+            return True
+        inner = [getattr(current, "func", None), getattr(current, "__wrapped__", None)]
+        for cell in getattr(current, "__closure__", None) or ():
+            try:
+                inner.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        todo.extend(x for x in inner if callable(x))
+    return False
+
+
+def prepare_comm_hook(hook: CommHook, state: object, group: dist.ProcessGroup | None,
+                      device: torch.device, timeout_s: float | None) -> CommHook:
+    """The hook the reducer should call: ``hook`` itself, or ``gloo_safe(hook)`` where needed.
+
+    Applied when ``hook`` waits inside its callbacks (see :func:`waits_in_callbacks`) and the
+    group it will use runs on Gloo; the group is the state's ``process_group`` (PowerSGD), the
+    state itself if it is a group (``allreduce_hook`` style), else the model's.
+    """
+    if not waits_in_callbacks(hook):
+        return hook
+    used = state if isinstance(state, dist.ProcessGroup) else getattr(state, "process_group",
+                                                                      None)
+    backend = _backend_name(used or group or dist.group.WORLD)
+    if backend != "gloo" and not (device.type == "cpu" and "gloo" in backend):
+        return hook
+    logger.warning("mini_ddp: %s launches collectives from inside future callbacks, which "
+                   "deadlocks on Gloo with several buckets in flight; each bucket is finished "
+                   "before the next starts (gloo_safe, see docs/comm_hooks.md).", hook_name(hook))
+    return gloo_safe(hook, timeout_s)
+
+
+def _backend_name(group: dist.ProcessGroup) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except (ValueError, RuntimeError):  # a group built by hand, unknown to dist's registry
+        return group.name()

@@ -1,0 +1,395 @@
+"""``DataParallelModel``: the drop-in replacement for ``torch.nn.parallel.DistributedDataParallel``.
+
+This module owns what happens *around* the module's forward: argument checks, the start-up
+sync, the per-forward bookkeeping (bucket rebuild, buffer broadcast, arming the reducer for
+backward), ``no_sync()`` and the comm-hook registration. How gradients are bucketed and
+reduced is the reducer's business (:mod:`mini_ddp.engine.reducer`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.utils import _pytree as pytree
+
+from mini_ddp.engine import graph_state
+from mini_ddp.engine import join as joining
+from mini_ddp.engine.comm import dist_broadcast_coalesced, verify_params_across_ranks
+from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.engine.hooks import CommHook, check_comm_hook, hook_name, prepare_comm_hook
+from mini_ddp.engine.reducer import Reducer
+from mini_ddp.errors import naming_collective
+from mini_ddp.transport.shm import SharedMemoryAllreduce
+
+logger = logging.getLogger("mini_ddp")
+
+# DDP keywords we do not implement: refusing them loudly beats ignoring them silently.
+_UNSUPPORTED = {
+    "device_mesh": "pass process_group=mesh.get_group() instead",
+    "mixed_precision": "cast the module yourself, or use torch DDP for this feature",
+    "delay_all_reduce_named_params": "not implemented in mini_ddp",
+    "param_to_hook_all_reduce": "not implemented in mini_ddp",
+    "bucket_cap_mb_list": "use bucket_cap_mb (one cap for all buckets)",
+}
+
+
+class DataParallelModel(nn.Module, Joinable):
+    """Synchronise gradients of ``module`` across processes, exactly like torch DDP.
+
+    Same constructor arguments, same semantics and — on the default path — the same bits as
+    ``torch.nn.parallel.DistributedDataParallel``; ``state_dict()`` keys carry the same
+    ``module.`` prefix, so checkpoints interchange in both directions. Arguments DDP has and
+    we do not implement raise ``NotImplementedError`` naming the argument.
+
+    mini_ddp additions (keyword-only): ``sync_timeout_s`` — the bound on waiting for one
+    bucket's collective at the end of backward, and for the buffer broadcast before forward
+    (see :class:`DataParallelConfig` and docs/reliability.md); ``zero_copy_write_back`` —
+    ``.grad`` becomes a view of its bucket after the all-reduce instead of a copy of it (same
+    bits, one gradient-sized copy less per step; docs/performance.md);
+    ``shared_memory_allreduce`` / ``shared_memory_min_bytes`` — two CPU ranks on one machine sum
+    buckets of at least that size through shared memory instead of Gloo (same bits).
+    """
+
+    def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: dist.ProcessGroup | None = None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, delay_all_reduce_named_params: Any = None,
+                 param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
+                 device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None, *,
+                 sync_timeout_s: float | None = 300.0, zero_copy_write_back: bool = True,
+                 shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20):
+        super().__init__()
+        Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.engine.join
+        self._divide_by_initial_world_size = True
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "mini_ddp: DataParallelModel needs torch.distributed to be initialised first. "
+                "Call torch.distributed.init_process_group(backend='gloo' (CPU) or 'nccl' "
+                "(GPU), ...) in every process before wrapping the model — torchrun sets the "
+                "environment for init_method='env://'; see docs/launching.md.")
+        given = {"device_mesh": device_mesh, "mixed_precision": mixed_precision,
+                 "delay_all_reduce_named_params": delay_all_reduce_named_params,
+                 "param_to_hook_all_reduce": param_to_hook_all_reduce,
+                 "bucket_cap_mb_list": bucket_cap_mb_list}
+        for name, value in given.items():
+            if value is not None:
+                raise NotImplementedError(f"mini_ddp: DataParallelModel does not support "
+                                          f"{name}= ({_UNSUPPORTED[name]})")
+        if skip_all_reduce_unused_params:
+            raise NotImplementedError("mini_ddp: skip_all_reduce_unused_params=True is not "
+                                      "implemented; unused parameters are reduced as zeros")
+        if batched_grad_copy:
+            raise NotImplementedError("mini_ddp: batched_grad_copy=True is not implemented")
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument is deprecated (as in torch DDP) and "
+                          "has no effect.", FutureWarning, stacklevel=2)
+        if dim != 0:
+            raise NotImplementedError("mini_ddp: only dim=0 is supported (one device per "
+                                      "process; inputs are not scattered)")
+
+        self.module = module
+        self.process_group = process_group or dist.group.WORLD
+        self.dim = dim
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = self._params_for_reducer(module)
+        self._check_params(module, named)
+        self.device = named[0][1].device
+        self.device_type = self.device.type
+        self.device_ids, self.output_device = self._check_device_ids(
+            device_ids, output_device, {p.device for _, p in named})
+
+        if forward_sync_buffers is not None:
+            sync_fwd, init_bufs = forward_sync_buffers, True
+        else:
+            sync_fwd = init_bufs = True if broadcast_buffers is None else broadcast_buffers
+        self.config = DataParallelConfig(
+            bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+            init_sync=init_sync, init_sync_buffers=init_bufs, forward_sync_buffers=sync_fwd,
+            sync_timeout_s=sync_timeout_s, zero_copy_write_back=zero_copy_write_back,
+            shared_memory_allreduce=shared_memory_allreduce,
+            shared_memory_min_bytes=shared_memory_min_bytes)
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+
+        if init_sync:
+            verify_params_across_ranks(named, self.process_group)
+            self._broadcast_module_states(include_buffers=init_bufs)
+        self.transport = None
+        if self.config.shared_memory_allreduce and self.device_type == "cpu":
+            # Collective on the default group when it has two Gloo ranks; None otherwise.
+            self.transport = SharedMemoryAllreduce.create(self.process_group)
+            if self.transport is not None:  # its worker thread must not outlive the model
+                weakref.finalize(self, self.transport.close, wait=False)
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
+                               self.process_group, self.config, self.transport)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._delay_all_reduce_enqueued = False
+        self._comm_hook_registered = False
+
+    # ---- construction helpers ------------------------------------------------------------
+    def _params_for_reducer(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """DDP's parameter order: modules in ``named_modules()`` order, each module's own
+        parameters that require grad, shared parameters kept at their first occurrence."""
+        seen: set[int] = set()
+        named = []
+        for module_name, sub in module.named_modules():
+            for param_name, param in sub.named_parameters(recurse=False):
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                if not param.requires_grad or name in self.parameters_to_ignore \
+                        or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+                    raise NotImplementedError(f"mini_ddp: sparse gradients are not supported "
+                                              f"(module '{module_name}' has sparse=True)")
+                named.append((name, param))
+        return named
+
+    @staticmethod
+    def _check_params(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
+        if not named:
+            raise RuntimeError("mini_ddp: DataParallelModel is not needed when a module has no "
+                               "parameter that requires a gradient "
+                               f"({type(module).__name__} has none).")
+        for name, param in named:
+            if isinstance(param, nn.parameter.UninitializedParameter):
+                raise RuntimeError(f"mini_ddp: parameter '{name}' is uninitialized (a lazy "
+                                   "module): run one dummy forward before wrapping the model.")
+            if param.device.type == "meta":
+                raise RuntimeError(f"mini_ddp: parameter '{name}' is on the meta device: "
+                                   "materialise the model (e.g. to_empty + init) first.")
+        device_types = {p.device.type for _, p in named}
+        if len(device_types) != 1:
+            where = {t: next(n for n, p in named if p.device.type == t) for t in device_types}
+            raise ValueError(f"mini_ddp: all parameters must be on one device type, found "
+                             f"{sorted(device_types)} (e.g. {where})")
+
+    @staticmethod
+    def _check_device_ids(device_ids: Any, output_device: Any, devices: set[torch.device]
+                          ) -> tuple[list[int] | None, int | None]:
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError("mini_ddp: device_ids can only be None or contain a single "
+                             "element (one device per process).")
+        single_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu"
+        if not device_ids or not single_gpu:
+            if device_ids or output_device is not None:
+                raise ValueError(f"mini_ddp: device_ids and output_device only apply to "
+                                 f"single-device GPU modules; parameters are on {devices}")
+            return None, None
+        ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
+        out = ids[0] if output_device is None else torch.device(output_device).index \
+            if not isinstance(output_device, int) else output_device
+        return ids, out
+
+    def _broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None:
+        states = [p for n, p in self.module.named_parameters() if n not in
+                  self.parameters_to_ignore]
+        if include_buffers:
+            states += [b for n, b in self.module.named_buffers() if n not in
+                       self.parameters_to_ignore]
+        with naming_collective(dist.get_rank(self.process_group),
+                               "the start-up broadcast of rank 0's parameters and buffers"):
+            dist_broadcast_coalesced(states, src=dist.get_global_rank(self.process_group, src),
+                                     group=self.process_group)
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module; around it, do DDP's per-forward bookkeeping."""
+        trace = self.reducer.trace
+        if trace is not None:
+            trace.record("forward_start")
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and self.require_backward_grad_sync:
+            self.reducer.prepare_for_forward()
+        joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
+        if grad_enabled and graph_state.rebuild_buckets_if_needed(self.reducer):
+            logger.info("mini_ddp: buckets rebuilt in gradient-ready order.")
+        if self.will_sync_module_buffers():
+            self._sync_buffers()
+        # Join's shadow all-reduces go through Gloo: so does every rank's backward meanwhile.
+        self.reducer.use_transport = self.transport is not None and not self._join_config.enable
+        if self._join_config.enable:
+            joining.announce_backward_sync(self, joined=False)
+        if self.device_ids:
+            device = torch.device(self.device_type, self.device_ids[0])
+            inputs, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
+        output = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            search = self.find_unused_parameters and not self.static_graph
+            self.reducer.prepare_for_backward(_find_tensors(output) if search else [])
+        else:
+            self.require_forward_param_sync = False
+            if torch.is_grad_enabled():  # no_sync(): this forward's backward is local by design
+                self.reducer.synced_this_step = False
+        if (self.find_unused_parameters and not self.static_graph) or (
+                self.static_graph and not self._delay_all_reduce_enqueued):
+            output = self._through_sink(output)
+        if trace is not None:
+            trace.record("forward_end")
+        return output
+
+    def _through_sink(self, output: Any) -> Any:
+        """Route every output tensor through :class:`_OutputSink` (see there for why)."""
+        leaves, spec = pytree.tree_flatten(output)
+        passed = _OutputSink.apply(weakref.ref(self), *leaves)
+        # Tensors that are not part of a graph stay as they were (DDP does the same).
+        merged = [leaf if isinstance(leaf, torch.Tensor) and leaf.grad_fn is None else new
+                  for leaf, new in zip(leaves, passed, strict=True)]
+        return pytree.tree_unflatten(merged, spec)
+
+    def will_sync_module_buffers(self) -> bool:
+        """True when this forward will broadcast rank 0's buffers first."""
+        return (self.require_forward_param_sync and self.config.forward_sync_buffers
+                and any(True for _ in self._buffers_to_sync()))
+
+    def _buffers_to_sync(self) -> Iterator[torch.Tensor]:
+        # Re-read every time: a module may reassign a buffer attribute.
+        return (b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore)
+
+    def _sync_buffers(self, src: int | None = None) -> None:
+        """Broadcast buffers from group rank ``src``: 0, or under Join the highest active rank
+        (rank 0 may have joined with stale buffers; DDP agrees on a rank the same way)."""
+        if src is None:
+            src = joining.find_common_rank(self, True) if self._join_config.enable else 0
+        buffers = tuple(self._buffers_to_sync())
+        # Keep version counters unchanged, as DDP does: the broadcast writes in place, and a
+        # bumped counter would break a graph that saved a buffer (e.g. for double backward).
+        what = f"the broadcast of rank {src}'s {len(buffers)} buffers before forward"
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers), \
+                naming_collective(self.reducer.rank, what):
+            # Bounded like the gradient waits: a hung peer must not stall forward forever.
+            dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, src),
+                                     group=self.process_group,
+                                     timeout_s=self.config.sync_timeout_s)
+
+    # ---- user controls -------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backwards inside this context do not synchronise.
+
+        The first forward-backward *after* the context synchronises the accumulated sum.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs across ranks, as torch DDP's ``join``.
+
+        Ranks that run out of batches shadow the others' collectives until all are done; the
+        last rank to finish then broadcasts its model. Gradients are divided by the initial
+        world size, or by the number of ranks still training when
+        ``divide_by_initial_world_size=False``. With ``throw_on_early_termination=True`` every
+        rank raises as soon as one runs out. Equivalent to ``Join([model], ...)``; see
+        :mod:`mini_ddp.engine.join`.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The :class:`~torch.distributed.algorithms.join.Joinable` hook (``Join`` calls it)."""
+        return joining.DataParallelJoinHook(
+            self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the join protocol's own all-reduces."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """Process group of the join protocol's own all-reduces."""
+        return self.process_group
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``.
+
+        Same contract as torch DDP, so torch's own hooks (``default_hooks.allreduce_hook``,
+        ``fp16_compress_hook``, PowerSGD, …) run unchanged. The hook must average the
+        gradients itself: with a hook, gradients are copied into buckets unscaled.
+
+        On Gloo, torch's PowerSGD and quantization hooks are wrapped in
+        :func:`mini_ddp.engine.hooks.gloo_safe` (each bucket finishes before the next starts): as
+        they are, they deadlock there, in torch DDP too. See docs/comm_hooks.md.
+        """
+        check_comm_hook(hook)
+        if self._comm_hook_registered:
+            raise RuntimeError(
+                f"mini_ddp: register_comm_hook can only be called once: {hook_name(hook)} "
+                f"cannot replace {hook_name(self.reducer.comm_hook)}, registered before (torch "
+                "DDP refuses a second hook the same way).")
+        self._comm_hook_registered = True
+        self.reducer.comm_hook = prepare_comm_hook(hook, state, self.process_group, self.device,
+                                                   self.config.sync_timeout_s)
+        self.reducer.comm_hook_state = state
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]
+                                                    ) -> None:
+        """Exclude parameters/buffers by name from syncing (DDP's static method of this name)."""
+        module._ddp_params_and_buffers_to_ignore = names
+
+
+class _OutputSink(torch.autograd.Function):
+    """Identity on the forward outputs whose backward runs before any parameter gradient.
+
+    With ``find_unused_parameters`` it keeps undefined gradients undefined
+    (``set_materialize_grads(False)``): an output left out of the loss then sends *no*
+    gradient into its subgraph, whose parameters' hooks still fire — marked ready with zeros
+    and kept as globally unused, as in DDP. With ``static_graph`` its backward queues the
+    iteration-1 reduction, which must run after all hooks.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, model_ref: weakref.ref, *outputs: Any) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.model_ref = model_ref
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        model = ctx.model_ref()
+        if model is not None and model.static_graph and not model._delay_all_reduce_enqueued:
+            Variable._execution_engine.queue_callback(
+                functools.partial(graph_state.delay_all_reduce, model.reducer))
+            model._delay_all_reduce_enqueued = True
+        return (None, *grads)
+
+
+def _find_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in an output: tensors, lists/tuples (namedtuples), dicts, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _find_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _find_tensors(item)]
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in fields(obj) for t in _find_tensors(getattr(obj, f.name))]
+    return []

@@ -1,0 +1,273 @@
+"""Opt-in tracing of gradient synchronisation: what happened when, on every rank.
+
+::
+
+    with mini_ddp.observe.tracing.trace(model) as rec:          # collective: every rank enters
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            with rec.span("optimizer_step"):
+                opt.step()
+    traces = mini_ddp.observe.tracing.gather_traces(rec)         # on rank 0: one RankTrace per rank
+    mini_ddp.observe.tracing.write_chrome_trace(traces, "trace.json")   # open in ui.perfetto.dev
+
+The reducer and the model call ``reducer.trace.record(kind, **info)`` at each point of a step
+(forward start/end, each parameter's hook, a bucket becoming ready, its launch, the end of
+backward, the copy-back) — but only when ``reducer.trace is not None``: with tracing off a step
+pays one attribute test per event and nothing else. A recorder stores ``(monotonic ns, kind,
+info)`` tuples; the real end of each collective is taken from a done-callback on its future,
+because the reducer only *observes* completion later, when backward has ended.
+
+Clocks: each rank converts its monotonic clock to wall-clock time, with the pair of readings
+taken right after a barrier on entry; the readings are all-gathered so the skew between ranks
+is known (on one host it is only the barrier's exit jitter).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mini_ddp.observe.timeline import spans
+
+Event = tuple[int, str, dict]  # (monotonic ns, kind, info)
+
+
+@dataclass
+class RankTrace:
+    """One rank's events, picklable, on a clock shared by all ranks (ns since the epoch)."""
+
+    rank: int
+    events: list[Event]
+    param_names: list[str]
+    offset_ns: int = 0  # add to an event's time to get wall-clock ns
+    skew_ns: int = 0  # largest disagreement between ranks' clocks seen at alignment
+
+
+class TraceRecorder:
+    """Collects one rank's events; attach it with :func:`trace` (or :func:`attach`)."""
+
+    def __init__(self, rank: int = 0, param_names: list[str] | None = None,
+                 reducer: Any = None):
+        self.rank = rank
+        self.param_names = list(param_names or [])
+        self.events: list[Event] = []
+        self.offset_ns = time.time_ns() - time.monotonic_ns()
+        self.skew_ns = 0
+        self._reducer = reducer
+        self._layout_seen: Any = None
+        # Collectives whose "comm_done" is not logged yet. A future counts as done before its
+        # callbacks have run (torch wakes waiters first), so without this a step's
+        # "comm_done" could land after its "finalized".
+        self._in_flight = 0
+        self._landed = threading.Condition()
+
+    def record(self, kind: str, **info: Any) -> None:
+        """Log ``kind`` now. A ``future=`` entry is not stored: its completion is logged."""
+        future = info.pop("future", None)
+        if kind == "finalized":
+            with self._landed:  # every collective of the step is complete: callbacks imminent
+                self._landed.wait_for(lambda: self._in_flight == 0, timeout=5.0)
+        self._append(kind, info)
+        if kind == "forward_end":
+            self._note_layout()
+        if future is not None:
+            with self._landed:
+                self._in_flight += 1
+            future.add_done_callback(functools.partial(self._comm_done, info.get("bucket")))
+
+    def _comm_done(self, bucket: Any, _future: Any) -> None:
+        self._append("comm_done", {"bucket": bucket})
+        with self._landed:
+            self._in_flight -= 1
+            self._landed.notify_all()
+
+    def mark(self, name: str, **info: Any) -> None:
+        """Log an instant of your own, e.g. ``rec.mark("optimizer_step")``."""
+        self._append("mark", {"name": name, **info})
+
+    @contextmanager
+    def span(self, name: str, **info: Any) -> Iterator[None]:
+        """Log a duration of your own, e.g. ``with rec.span("optimizer_step"): opt.step()``."""
+        self._append("span_start", {"name": name, **info})
+        try:
+            yield
+        finally:
+            self._append("span_end", {"name": name})
+
+    def align_clock(self, group: dist.ProcessGroup | None = None) -> None:
+        """Collective: read (monotonic, wall) right after a barrier; learn the ranks' skew."""
+        device = self._reducer.params[0].device if self._reducer is not None else "cpu"
+        dist.barrier(group=group)
+        mono, wall = time.monotonic_ns(), time.time_ns()
+        mine = torch.tensor([mono, wall], dtype=torch.int64, device=device)
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        walls = [int(t[1]) for t in everyone]
+        self.offset_ns = wall - mono
+        self.skew_ns = max(walls) - min(walls)
+
+    def snapshot(self) -> RankTrace:
+        """A copy of the events so far, sorted by time, ready to pickle or export."""
+        events = sorted(list(self.events), key=lambda e: e[0])  # list(): an atomic copy
+        return RankTrace(self.rank, events, self.param_names, self.offset_ns, self.skew_ns)
+
+    def _append(self, kind: str, info: dict) -> None:
+        # Done-callbacks call this from the backend's threads: list.append is atomic in
+        # CPython, so no lock (a lock would cost more than the rest of a record).
+        self.events.append((time.monotonic_ns(), kind, info))
+
+    def _note_layout(self) -> None:
+        # The layout changes once (the rebuild, inside a forward): log it when it does, so the
+        # exporter can name each bucket's parameters. One identity test per forward.
+        buckets = getattr(self._reducer, "buckets", None)
+        if buckets is not None and buckets is not self._layout_seen:
+            self._layout_seen = buckets
+            self._append("layout", {"buckets": [list(b.param_indices) for b in buckets]})
+
+
+class _Tee:
+    """Several recorders on one reducer (e.g. tracing and the stall watchdog together)."""
+
+    def __init__(self, *recorders: Any):
+        self.recorders = list(recorders)
+
+    def record(self, kind: str, **info: Any) -> None:
+        for recorder in self.recorders:
+            recorder.record(kind, **info)  # each call gets its own copy of ``info``
+
+
+def attach(reducer: Any, recorder: Any) -> None:
+    """Make ``reducer`` (and its model) report events to ``recorder`` too."""
+    current = reducer.trace
+    if current is None:
+        reducer.trace = recorder
+    elif isinstance(current, _Tee):
+        current.recorders.append(recorder)
+    else:
+        reducer.trace = _Tee(current, recorder)
+
+
+def detach(reducer: Any, recorder: Any) -> None:
+    """Undo :func:`attach`; with no recorder left, tracing costs nothing again."""
+    current = reducer.trace
+    if current is recorder:
+        reducer.trace = None
+    elif isinstance(current, _Tee) and recorder in current.recorders:
+        current.recorders.remove(recorder)
+        if len(current.recorders) == 1:
+            reducer.trace = current.recorders[0]
+
+
+@contextmanager
+def trace(model: Any, align_clocks: bool = True) -> Iterator[TraceRecorder]:
+    """Record ``model``'s gradient synchronisation inside the block (collective on entry)."""
+    reducer = model.reducer
+    recorder = TraceRecorder(reducer.rank, reducer.names, reducer)
+    if align_clocks:
+        recorder.align_clock(model.process_group)
+    recorder._note_layout()
+    attach(reducer, recorder)
+    try:
+        yield recorder
+    finally:
+        detach(reducer, recorder)
+
+
+def gather_traces(recorder: TraceRecorder, group: dist.ProcessGroup | None = None
+                  ) -> list[RankTrace] | None:
+    """Collective: every rank's :class:`RankTrace` on group rank 0, ``None`` elsewhere."""
+    mine = recorder.snapshot()
+    rank = dist.get_rank(group)
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=dist.get_global_rank(group or dist.group.WORLD, 0),
+                       group=group)
+    return gathered
+
+
+# ---- Chrome trace export -------------------------------------------------------------------
+def _tid(track: str) -> int:
+    fixed = {"compute": 0, "hooks": 1}
+    return fixed[track] if track in fixed else 10 + int(track.split()[1])
+
+
+def chrome_trace(traces: list[RankTrace]) -> dict:
+    """The Chrome trace-event JSON object (one process per rank, one thread per track)."""
+    per_rank = [(t.rank, spans(t)) for t in traces]
+    t0 = min((s.start for _, ss in per_rank for s in ss), default=0)
+    events: list[dict] = []
+    for rank, rank_spans in per_rank:
+        events.append({"name": "process_name", "ph": "M", "ts": 0, "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "ts": 0, "pid": rank,
+                       "tid": 0, "args": {"sort_index": rank}})
+        for track in sorted({s.track for s in rank_spans}, key=_tid):
+            label = {"compute": "compute (forward / backward / finalize)",
+                     "hooks": "gradient hooks"}.get(track, f"{track} communication")
+            events.append({"name": "thread_name", "ph": "M", "ts": 0, "pid": rank,
+                           "tid": _tid(track), "args": {"name": label}})
+        for s in rank_spans:
+            event = {"name": s.name, "pid": rank, "tid": _tid(s.track),
+                     "ts": (s.start - t0) / 1000, "args": {"step": s.step, **s.args}}
+            if s.end > s.start:
+                event.update(ph="X", dur=(s.end - s.start) / 1000)
+            else:
+                event.update(ph="i", s="t")
+            events.append(event)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"producer": "mini_ddp.observe.tracing", "world_size": len(traces),
+                          "clock_skew_us": max((t.skew_ns for t in traces), default=0) / 1000,
+                          "t0_unix_ns": t0}}
+
+
+def write_chrome_trace(traces: list[RankTrace], path: str) -> dict:
+    """Write :func:`chrome_trace` to ``path`` (open it in ui.perfetto.dev or chrome://tracing)."""
+    obj = chrome_trace(traces)
+    with open(path, "w") as f:
+        json.dump(obj, f)
+    return obj
+
+
+_PHASES = set("BEXiIbenCMsStfPONDRcrp") | {"(", ")"}
+
+
+def validate_chrome_trace(obj: Any) -> list[str]:
+    """Problems with a Chrome trace-event object (empty list: valid).
+
+    Checks what viewers rely on: every event has ``ph``/``ts``/``pid``/``tid``/``name``, the
+    phase is one the format defines, ``X`` durations are non-negative numbers, and ``B``/``E``
+    pairs balance per thread in time order.
+    """
+    events = obj.get("traceEvents") if isinstance(obj, dict) else obj
+    if not isinstance(events, list):
+        return ["no traceEvents list"]
+    problems, open_spans = [], {}
+    for i, e in enumerate(events):
+        missing = [k for k in ("ph", "ts", "pid", "tid", "name") if k not in e]
+        if missing:
+            problems.append(f"event {i} lacks {missing}")
+            continue
+        if e["ph"] not in _PHASES:
+            problems.append(f"event {i} has unknown phase {e['ph']!r}")
+        if not isinstance(e["ts"], (int, float)) or e["ts"] < 0:
+            problems.append(f"event {i} has bad ts {e['ts']!r}")
+        if e["ph"] == "X" and not (isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0):
+            problems.append(f"event {i} ({e['name']}) has bad dur {e.get('dur')!r}")
+        stack = open_spans.setdefault((e["pid"], e["tid"]), [])
+        if e["ph"] == "B":
+            stack.append(e)
+        elif e["ph"] == "E":
+            if not stack or stack[-1]["ts"] > e["ts"]:
+                problems.append(f"event {i}: E without an earlier open B on {e['pid']}/{e['tid']}")
+            else:
+                stack.pop()
+    problems += [f"{len(s)} unclosed B events on pid/tid {k}" for k, s in open_spans.items() if s]
+    return problems

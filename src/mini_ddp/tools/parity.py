@@ -1,0 +1,238 @@
+"""Parity toolkit: train a model under torch DDP and under mini_ddp side by side, compare bits.
+
+Every rank builds one model, wraps one copy in ``torch.nn.parallel.DistributedDataParallel`` and
+an identical copy in :class:`mini_ddp.DataParallelModel`, and feeds both the same per-rank batch
+(random images/labels seeded by (seed, step, rank)). After each backward it compares every
+gradient, after each optimizer step every parameter and buffer, and reports per step whether
+they are bitwise equal, the largest absolute difference and the largest distance in ULPs
+(units in the last place, measured on the integer views of the floats). The first divergence
+names the step, the tensor, its bucket in our engine and the rank.
+
+``--reference local`` instead compares with one plain model trained on the global batch (all
+ranks' batches concatenated), within torch's own default test tolerances
+(``torch.testing``: rtol 1.3e-6 / atol 1e-5 for float32, 1e-7 / 1e-7 for float64).
+
+Run it as ``python -m mini_ddp parity --model resnet18 --world-size 3`` (ranks are forked with
+:func:`mini_ddp.run_ranks`), or under ``torchrun`` (it then uses the launched process group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import importlib
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mini_ddp.engine.hooks import GradBucket
+from mini_ddp.engine.model import DataParallelModel
+from mini_ddp.tools.parity_report import DDP_KEYWORDS, ParityReport, TensorDiff, compare_tensors
+from mini_ddp.training.models import Seed002CNN, resnet18_cifar
+from mini_ddp.training.spawn import RankContext, run_ranks
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+BUILTINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "mlp": (_mlp, (32,)), "lenet": (Seed002CNN, (3, 32, 32)),
+    "resnet18": (resnet18_cifar, (3, 32, 32))}
+
+
+def resolve_model(spec: str) -> Callable[[], nn.Module]:
+    """A built-in name, or ``module:attr`` (``torchvision:resnet18``, ``pkg.mod:factory``)."""
+    if spec in BUILTINS:
+        return BUILTINS[spec][0]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not attr:
+        raise ValueError(f"unknown model {spec!r}: use one of {sorted(BUILTINS)} or module:attr")
+    module = importlib.import_module(module_name)
+    try:
+        return functools.reduce(getattr, attr.split("."), module)
+    except AttributeError:
+        # torchvision:resnet18 — model builders live in the package's ``models`` submodule.
+        return functools.reduce(getattr, attr.split("."),
+                                importlib.import_module(f"{module_name}.models"))
+
+
+@dataclass
+class ParityOptions:
+    """One parity run: the model, the training loop and the DDP keywords under test."""
+
+    model: str = "mlp"
+    world_size: int = 3
+    steps: int = 5
+    batch_size: int = 2
+    optimizer: str = "sgd"          # sgd | sgd-momentum | adam
+    lr: float | None = None         # default: 0.05 for SGD, 1e-3 for Adam
+    seed: int = 0
+    input_shape: tuple[int, ...] | None = None  # default: the built-in's, else 3x32x32
+    reference: str = "ddp"          # ddp (bitwise) | local (single process, tolerances)
+    inject_bug: str | None = None   # test-only: "divide-after"
+    bucket_cap_mb: float | None = None
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    timeout_s: float = 600.0
+
+
+def _divide_after_hook(group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
+    """Injected fault: all-reduce the *unscaled* sum, then divide (not DDP's pre-multiply)."""
+    world = dist.get_world_size(group)
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(world))
+
+
+def make_batch(opts: ParityOptions, shape: Sequence[int], step: int, rank: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: the same on every process that asks for it."""
+    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step * 1_009 + rank)
+    x = torch.randn(opts.batch_size, *shape, generator=gen)
+    return x, torch.randint(0, 10, (opts.batch_size,), generator=gen)
+
+
+def _optimizer(opts: ParityOptions, params: object) -> torch.optim.Optimizer:
+    if opts.optimizer == "adam":
+        return torch.optim.Adam(params, lr=opts.lr or 1e-3)
+    momentum = 0.9 if opts.optimizer == "sgd-momentum" else 0.0
+    return torch.optim.SGD(params, lr=opts.lr or 0.05, momentum=momentum)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor) -> None:
+    opt.zero_grad()
+    out = model(x)
+    out = out if isinstance(out, torch.Tensor) else next(iter(out.values() if isinstance(
+        out, dict) else out))
+    F.cross_entropy(out, y).backward()
+
+
+def _rank_main(ctx: RankContext, opts: ParityOptions) -> list[TensorDiff]:
+    """Body of one rank: train both engines side by side and return every comparison."""
+    factory = resolve_model(opts.model)
+    shape = opts.input_shape or BUILTINS.get(opts.model, (None, (3, 32, 32)))[1]
+    torch.manual_seed(opts.seed)
+    base = factory()
+    kwargs = {f: getattr(opts, f) for f in DDP_KEYWORDS}
+    if opts.broadcast_buffers:
+        del kwargs["broadcast_buffers"]  # passing it at all draws DDP's deprecation warning
+    ours = DataParallelModel(copy.deepcopy(base), **kwargs)
+    if opts.reference == "ddp":
+        ref: nn.Module = DistributedDataParallel(base, **kwargs)
+        ref_module = ref.module
+    else:
+        ref = ref_module = base
+        if ctx.rank == 0 and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                 for m in base.modules()):
+            warnings.warn("parity --reference local: BatchNorm normalises over each rank's "
+                          "batch, not the global one, so results differ by design; compare "
+                          "BatchNorm models against --reference ddp", stacklevel=1)
+    if opts.inject_bug == "divide-after":
+        ours.register_comm_hook(ours.process_group, _divide_after_hook)
+    elif opts.inject_bug:
+        raise ValueError(f"unknown --inject-bug {opts.inject_bug!r}")
+    opt_ref, opt_ours = _optimizer(opts, ref.parameters()), _optimizer(opts, ours.parameters())
+    index = {n: i for i, n in enumerate(ours.reducer.names)}
+    diffs: list[TensorDiff] = []
+
+    def record(step: int, phase: str, pairs: object) -> None:
+        for (name, mine), (_, theirs) in pairs:
+            bucket = ours.reducer.locator[index[name]][0] if name in index else None
+            diffs.append(TensorDiff(step, phase, name, ctx.rank, bucket,
+                                    *compare_tensors(mine, theirs), mine.numel()))
+
+    for step in range(1, opts.steps + 1):
+        x, y = make_batch(opts, shape, step, ctx.rank)
+        if opts.reference == "local":
+            batches = [make_batch(opts, shape, step, r) for r in range(ctx.world_size)]
+            _train_step(ref, opt_ref, torch.cat([b[0] for b in batches]),
+                        torch.cat([b[1] for b in batches]))
+        else:
+            _train_step(ref, opt_ref, x, y)
+        _train_step(ours, opt_ours, x, y)
+        mine_p, ref_p = list(ours.module.named_parameters()), list(ref_module.named_parameters())
+        record(step, "grad", zip([(n, p.grad) for n, p in mine_p],
+                                 [(n, p.grad) for n, p in ref_p], strict=True))
+        opt_ref.step()
+        opt_ours.step()
+        record(step, "param", zip(mine_p, ref_p, strict=True))
+        record(step, "buffer", zip(ours.module.named_buffers(), ref_module.named_buffers(),
+                                   strict=True))
+    return diffs
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_parity(opts: ParityOptions) -> ParityReport:
+    """Run the comparison on ``opts.world_size`` forked ranks (or in the torchrun group)."""
+    if opts.reference not in ("ddp", "local"):
+        raise ValueError(f"reference must be 'ddp' or 'local', got {opts.reference!r}")
+    if _under_torchrun():
+        created = not dist.is_initialized()
+        if created:
+            dist.init_process_group("gloo")
+        opts = dataclasses.replace(opts, world_size=dist.get_world_size())
+        mine = _rank_main(RankContext(dist.get_rank(), opts.world_size), opts)
+        per_rank: list = [None] * opts.world_size
+        dist.all_gather_object(per_rank, mine)
+        if created:
+            dist.destroy_process_group()
+    else:
+        per_rank = run_ranks(_rank_main, opts.world_size, args=(opts,), timeout_s=opts.timeout_s)
+    return ParityReport(opts, [d for diffs in per_rank for d in diffs])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mini_ddp parity``: print the table; exit 1 on a mismatch."""
+    p = argparse.ArgumentParser(prog="mini_ddp parity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="mlp", help=f"{', '.join(BUILTINS)} or module:attr")
+    p.add_argument("--world-size", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=2, help="per rank")
+    p.add_argument("--optimizer", choices=("sgd", "sgd-momentum", "adam"), default="sgd")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-shape", default=None, help="per-sample shape, e.g. 3,32,32")
+    p.add_argument("--reference", choices=("ddp", "local"), default="ddp")
+    p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--find-unused-parameters", action="store_true")
+    p.add_argument("--gradient-as-bucket-view", action="store_true")
+    p.add_argument("--static-graph", action="store_true")
+    p.add_argument("--no-broadcast-buffers", dest="broadcast_buffers", action="store_false")
+    p.add_argument("--inject-bug", choices=("divide-after",), default=None,
+                   help="test only: make mini_ddp divide after the all-reduce")
+    p.add_argument("--max-lines", type=int, default=10, help="differing tensors shown per step")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    a = p.parse_args(argv)
+    shape = tuple(int(s) for s in a.input_shape.split(",")) if a.input_shape else None
+    opts = ParityOptions(
+        model=a.model, world_size=a.world_size, steps=a.steps, batch_size=a.batch_size,
+        optimizer=a.optimizer, lr=a.lr, seed=a.seed, input_shape=shape, reference=a.reference,
+        inject_bug=a.inject_bug, bucket_cap_mb=a.bucket_cap_mb,
+        find_unused_parameters=a.find_unused_parameters,
+        gradient_as_bucket_view=a.gradient_as_bucket_view, static_graph=a.static_graph,
+        broadcast_buffers=a.broadcast_buffers, timeout_s=a.timeout)
+    report = run_parity(opts)
+    if not _under_torchrun() or os.environ["RANK"] == "0":
+        print(report.format(a.max_lines), flush=True)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

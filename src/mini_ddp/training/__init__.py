@@ -1,0 +1,3 @@
+"""Training around the engine: the example loop, data, checkpoints, launching ranks
+(torchrun, ``mp.spawn``, the test harness) and the model zoo.
+"""
