@@ -30,26 +30,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mini_ddp.observe.timeline import spans
-
-Event = tuple[int, str, dict]  # (monotonic ns, kind, info)
-
-
-@dataclass
-class RankTrace:
-    """One rank's events, picklable, on a clock shared by all ranks (ns since the epoch)."""
-
-    rank: int
-    events: list[Event]
-    param_names: list[str]
-    offset_ns: int = 0  # add to an event's time to get wall-clock ns
-    skew_ns: int = 0  # largest disagreement between ranks' clocks seen at alignment
+from mini_ddp.observe.spans import Event, RankTrace, spans
 
 
 class TraceRecorder:
