@@ -1,6 +1,7 @@
 """The rank harness reports results, every rank's traceback, dead ranks and hangs."""
 
 import os
+import tempfile
 import time
 
 import pytest
@@ -46,12 +47,27 @@ def test_a_raising_rank_is_reported_with_its_traceback():
     assert "boom on rank 1" in err.value.failures[1]
 
 
-def test_a_hang_becomes_a_failure_with_the_stack():
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """The harness's temporary folders go here, where no other test run adds any."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_no_folder_is_left_behind_on_success_or_failure(private_tmp):
+    assert run_ranks(_sum_ranks, 2, timeout_s=60) == [1.0, 1.0]
+    with pytest.raises(RanksFailed):
+        run_ranks(_raise_on_rank1, 2, timeout_s=60)
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_a_hang_becomes_a_failure_with_the_stack(private_tmp):
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
         run_ranks(_hang_on_rank0, 2, timeout_s=8)
     assert time.monotonic() - start < 30
     assert "_hang_on_rank0" in err.value.failures[0]
+    assert list(private_tmp.iterdir()) == []  # the stack dumps were read, then removed
 
 
 def test_a_dead_rank_is_named_with_its_exit_code():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
-from mini_ddp.observe.watchdog import StallReport, StallWatchdog, _holds_up
+from mini_ddp.observe.watchdog import StallReport, StallWatchdog, holds_up
 
 LIMIT_S = 3.0
 SYNC_TIMEOUT_S = 60.0  # far above the limit: a report before it comes from the watchdog
@@ -121,11 +121,11 @@ def test_warn_mode_logs_the_report_and_keeps_waiting():
 # ---- no processes ----------------------------------------------------------------------------
 def test_which_marks_hold_a_bucket_up():
     now = time.time()
-    assert "left no mark" in _holds_up(None, 3, 1)
-    assert "behind" in _holds_up({"step": 2, "state": "finalized", "time": now}, 3, 1)
+    assert "left no mark" in holds_up(None, 3, 1)
+    assert "behind" in holds_up({"step": 2, "state": "finalized", "time": now}, 3, 1)
     unfinished = {"step": 3, "state": "ended_unfinished", "launched": 1, "buckets": 4,
                   "missing": ["w"], "pending": [1, 2, 3], "time": now}
-    assert "without a gradient for w" in _holds_up(unfinished, 3, 1)
+    assert "without a gradient for w" in holds_up(unfinished, 3, 1)
     running = {"step": 3, "state": "backward", "launched": 1, "buckets": 4, "time": now}
-    assert "not yet bucket 2" in _holds_up(running, 3, 2)
-    assert _holds_up(running, 3, 0) is None  # it launched bucket 0: not the culprit
+    assert "not yet bucket 2" in holds_up(running, 3, 2)
+    assert holds_up(running, 3, 0) is None  # it launched bucket 0: not the culprit

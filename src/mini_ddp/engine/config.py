@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from mini_ddp.engine.buckets import DEFAULT_BUCKET_CAP_MB, MIB
@@ -49,11 +50,18 @@ class DataParallelConfig:
     """Broadcast rank 0's buffers (BatchNorm statistics, …) before each forward that runs with
     grad enabled — except right after a forward under ``no_grad`` or ``no_sync()``, as DDP."""
 
-    sync_timeout_s: float | None = 300.0
-    """How long the end of backward waits for one bucket's collective, and a forward for the
-    buffer broadcast, before raising :class:`mini_ddp.errors.GradSyncTimeout` naming what it
-    waited for (``None``: wait forever). torch DDP has no such bound; it waits for the process
-    group's timeout (30 min)."""
+    sync_timeout_s: float | None = None
+    """How long the end of backward waits for one bucket's collective (counted after the stall
+    warning, if one was logged), and a forward for the buffer broadcast, before raising
+    :class:`mini_ddp.errors.GradSyncTimeout` naming what it waited for. ``None`` (the default)
+    means the process group's own timeout — what torch DDP waits (30 min unless
+    ``init_process_group(timeout=...)`` says otherwise); ``DataParallelModel`` fills it in,
+    see :func:`process_group_timeout_s`."""
+
+    stall_warning_s: float | None = 60.0
+    """After this long waiting for one bucket, log a WARNING (logger ``"mini_ddp"``) naming the
+    bucket, its parameters and the ranks that have not reached it, then keep waiting
+    (:mod:`mini_ddp.engine.stall`). Free until a wait is that slow. ``None``: no warning."""
 
     zero_copy_write_back: bool = True
     """After the all-reduce, make ``param.grad`` the bucket's view instead of copying the bucket
@@ -74,6 +82,11 @@ class DataParallelConfig:
     shared_memory_min_bytes: int = 1 << 20
     """Smaller buckets stay on Gloo: the shared-memory path costs two small Gloo syncs and a
     thread hand-off per bucket, more than Gloo needs for a few KiB."""
+
+    def resolve_sync_timeout(self, group: dist.ProcessGroup) -> None:
+        """Replace ``sync_timeout_s=None`` by ``group``'s own timeout, in seconds."""
+        if self.sync_timeout_s is None:
+            self.sync_timeout_s = process_group_timeout_s(group)
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
@@ -121,6 +134,21 @@ class DataParallelConfig:
                     f"before the {'third' if self.static_graph else 'second'} forward)")
         return (f"definition order, last parameters first, {caps} "
                 f"(find_unused_parameters=True: never rebuilt)")
+
+
+def process_group_timeout_s(group: dist.ProcessGroup) -> float:
+    """The timeout ``group``'s collectives were created with (``init_process_group`` /
+    ``new_group(timeout=...)``), in seconds.
+
+    torch keeps it in the backend's options (``ProcessGroupGloo.options._timeout``); a backend
+    without readable options falls back to torch's default for its kind (30 min for Gloo).
+    """
+    try:
+        backend = group._get_backend(torch.device("cpu" if dist.get_backend(group) == "gloo"
+                                                  else "cuda"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend(group)).total_seconds()
 
 
 def _mib(nbytes: int | None) -> str:

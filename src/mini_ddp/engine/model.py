@@ -30,6 +30,7 @@ from mini_ddp.engine.comm import dist_broadcast_coalesced, verify_params_across_
 from mini_ddp.engine.config import DataParallelConfig
 from mini_ddp.engine.hooks import CommHook, check_comm_hook, hook_name, prepare_comm_hook
 from mini_ddp.engine.reducer import Reducer
+from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.errors import naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
 
@@ -73,7 +74,8 @@ class DataParallelModel(nn.Module, Joinable):
                  device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
                  bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *,
-                 sync_timeout_s: float | None = 300.0, zero_copy_write_back: bool = True,
+                 sync_timeout_s: float | None = None, stall_warning_s: float | None = 60.0,
+                 zero_copy_write_back: bool = True,
                  shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20):
         super().__init__()
         Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.engine.join
@@ -123,9 +125,11 @@ class DataParallelModel(nn.Module, Joinable):
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             init_sync=init_sync, init_sync_buffers=init_bufs, forward_sync_buffers=sync_fwd,
-            sync_timeout_s=sync_timeout_s, zero_copy_write_back=zero_copy_write_back,
+            sync_timeout_s=sync_timeout_s, stall_warning_s=stall_warning_s,
+            zero_copy_write_back=zero_copy_write_back,
             shared_memory_allreduce=shared_memory_allreduce,
             shared_memory_min_bytes=shared_memory_min_bytes)
+        self.config.resolve_sync_timeout(self.process_group)  # None: the group's timeout
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -141,6 +145,8 @@ class DataParallelModel(nn.Module, Joinable):
                 weakref.finalize(self, self.transport.close, wait=False)
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
                                self.process_group, self.config, self.transport)
+        self.stall_monitor = None if self.config.stall_warning_s is None else StallMonitor(
+            self.reducer, self.process_group, self.config.stall_warning_s).install()
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._delay_all_reduce_enqueued = False

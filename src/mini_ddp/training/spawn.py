@@ -136,22 +136,46 @@ def run_ranks(
     store, port = store_server(LOOPBACK, 0, world_size)
     store_addr = (LOOPBACK, port)
     coll_timeout = collective_timeout_s if collective_timeout_s is not None else timeout_s
-    stack_dir = tempfile.mkdtemp(prefix="mini_ddp_ranks_")
-    procs, conns = [], []
-    for rank in range(world_size):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        stack_file = os.path.join(stack_dir, f"rank{rank}.stack")
-        proc = ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, args, store_addr, backend, coll_timeout, stack_file,
-                  env or {}, child_end),
-            name=f"mini_ddp-rank{rank}",
-        )
-        proc.start()
-        child_end.close()
-        procs.append(proc)
-        conns.append(parent_end)
+    # The ranks' stack dumps live here only until their failures are read: removed on every
+    # way out, a timeout or an interrupt of the parent included.
+    with tempfile.TemporaryDirectory(prefix="mini_ddp_ranks_", ignore_cleanup_errors=True) \
+            as stack_dir:
+        procs, conns = [], []
+        try:
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe(duplex=False)
+                stack_file = os.path.join(stack_dir, f"rank{rank}.stack")
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(fn, rank, world_size, args, store_addr, backend, coll_timeout,
+                          stack_file, env or {}, child_end),
+                    name=f"mini_ddp-rank{rank}",
+                )
+                proc.start()
+                child_end.close()
+                procs.append(proc)
+                conns.append(parent_end)
+            results, failures = _collect(procs, conns, stack_dir, timeout_s)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(timeout=5)
+            for conn in conns:
+                conn.close()
+            del store
+    if failures:
+        summary = (f"{len(failures)} of {world_size} ranks failed "
+                   f"(ranks {sorted(failures)}, {fn.__module__}.{fn.__qualname__})")
+        raise RanksFailed(summary, failures)
+    return [results[r] for r in range(world_size)]
 
+
+def _collect(procs: list[Any], conns: list[Any], stack_dir: str, timeout_s: float
+             ) -> tuple[dict[int, Any], dict[int, str]]:
+    """Wait for every rank's result until the deadline; a rank still running then gets asked
+    for its stack (written into ``stack_dir``) and is reported as hung."""
+    world_size = len(procs)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
@@ -185,15 +209,4 @@ def run_ranks(
             with open(os.path.join(stack_dir, f"rank{rank}.stack")) as f:
                 stack = f.read().strip() or "(no stack written)"
             failures[rank] = f"still running after the deadline; its stack:\n{stack}"
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=5)
-    for conn in conns:
-        conn.close()
-    del store
-    if failures:
-        summary = (f"{len(failures)} of {world_size} ranks failed "
-                   f"(ranks {sorted(failures)}, {fn.__module__}.{fn.__qualname__})")
-        raise RanksFailed(summary, failures)
-    return [results[r] for r in range(world_size)]
+    return results, failures
