@@ -125,6 +125,16 @@ def _is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def flat_view(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
+    """A contiguous view of ``buffer`` at ``offset`` shaped like ``param``.
+
+    What a comm hook's ``bucket.gradients()`` returns: torch's ``GradBucket`` slices its buffer
+    and views each slice with the parameter's *shape only*, so for a channels-last weight it
+    does not match the bucket's own view (it reads the same memory in contiguous order).
+    """
+    return buffer.narrow(0, offset, param.numel()).view(param.size())
+
+
 def _view_like(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
     """A view of ``buffer`` at ``offset`` shaped like ``param``.
 
@@ -134,7 +144,7 @@ def _view_like(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.
     """
     if _is_non_overlapping_and_dense(param):
         return buffer.as_strided(param.size(), param.stride(), offset)
-    return buffer.narrow(0, offset, param.numel()).view(param.size())
+    return flat_view(buffer, param, offset)
 
 
 @dataclass(eq=False)

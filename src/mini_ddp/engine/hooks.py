@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mini_ddp.engine.buckets import flat_view
 from mini_ddp.errors import MiniDDPError
+from mini_ddp.transport.wait import wait_done
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -47,6 +48,16 @@ class GradBucket:
         self._params = params
         self._offsets = offsets
 
+    @classmethod
+    def of(cls, bucket: Any, num_buckets: int, buffer: torch.Tensor | None = None
+           ) -> GradBucket:
+        """The hook's view of a :class:`~mini_ddp.engine.buckets.Bucket` (of ``num_buckets``).
+
+        ``buffer`` replaces the bucket's own (join's shadow backward hands hooks zeros).
+        """
+        return cls(bucket.index, bucket.index == num_buckets - 1,
+                   bucket.buffer if buffer is None else buffer, bucket.params, bucket.offsets)
+
     def index(self) -> int:
         """Position of the bucket in launch order (0 is launched first)."""
         return self._index
@@ -56,8 +67,13 @@ class GradBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as a view into :meth:`buffer`, shaped like the parameter."""
-        return [self._buffer.narrow(0, off, p.numel()).view(p.shape)
+        """Each parameter's gradient as a view into :meth:`buffer`, shaped like the parameter.
+
+        Contiguous views, as torch's ``GradBucket.gradients()`` returns, even for a
+        channels-last parameter whose bucket view keeps its strides (see
+        :func:`~mini_ddp.engine.buckets.flat_view`).
+        """
+        return [flat_view(self._buffer, p, off)
                 for p, off in zip(self._params, self._offsets, strict=True)]
 
     def parameters(self) -> list[torch.Tensor]:
@@ -101,6 +117,25 @@ def allreduce_sum_hook(process_group: dist.ProcessGroup | None, bucket: GradBuck
     """
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
     return work.get_future()
+
+
+def launch_hook(hook: CommHook | None, state: object, group: dist.ProcessGroup | None,
+                bucket: GradBucket) -> torch._C.Future:
+    """Start ``bucket``'s collective: ``hook(state, bucket)``, or :func:`allreduce_sum_hook`.
+
+    The one place that chooses between the user's hook and the default path, for a real
+    backward and for join's shadow backward alike. Refuses a hook that returns no future.
+    """
+    if hook is None:
+        return allreduce_sum_hook(group, bucket)
+    future = hook(state, bucket)
+    # torch._C.Future, not torch.futures.Future: ``fut.then(...)`` (torch's own
+    # allreduce_hook) returns the C++ base class, which DDP accepts.
+    if not isinstance(future, torch._C.Future):
+        raise TypeError(f"mini_ddp: communication hook {hook_name(hook)} must return a "
+                        f"torch.futures.Future; for bucket {bucket.index()} it returned a "
+                        f"{type(future).__name__}")
+    return future
 
 
 def check_comm_hook(hook: object) -> None:
@@ -192,15 +227,11 @@ def gloo_safe(hook: CommHook, timeout_s: float | None = 300.0) -> CommHook:
     # registration check refuses; an unannotated hook passes it.
     def gloo_safe_hook(state, bucket):
         future = hook(state, bucket)
-        if isinstance(future, torch._C.Future) and not future.done():
-            done = threading.Event()
-            future.add_done_callback(lambda _: done.set())  # also fires on error
-            if not done.wait(timeout_s):
-                raise CommHookTimeout(
-                    f"mini_ddp: communication hook {name} did not complete bucket "
-                    f"{bucket.index()} within {timeout_s} s: another rank is probably dead or "
-                    "stuck, or this Gloo group has a single worker thread (gloo_safe needs "
-                    "two).")
+        if isinstance(future, torch._C.Future) and not wait_done(future, timeout_s):
+            raise CommHookTimeout(
+                f"mini_ddp: communication hook {name} did not complete bucket "
+                f"{bucket.index()} within {timeout_s} s: another rank is probably dead or "
+                "stuck, or this Gloo group has a single worker thread (gloo_safe needs two).")
         return future  # a wrong return type is left for the caller to report
 
     gloo_safe_hook.__name__ = gloo_safe_hook.__qualname__ = name

@@ -23,21 +23,32 @@ from :meth:`mini_ddp.DataParallelModel.forward` in the same places DDP's ``_pre_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from mini_ddp.engine.graph_state import rebuild_buckets_if_needed, should_rebuild
-from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook
-
-if TYPE_CHECKING:
-    from mini_ddp.engine.model import DataParallelModel
-    from mini_ddp.engine.reducer import Reducer
+from mini_ddp.engine.hooks import GradBucket, launch_hook
 
 
-def find_common_rank(model: DataParallelModel, candidate: bool) -> int:
+class JoiningModel(Protocol):
+    """What join needs of the model (``DataParallelModel`` is one); duck-typed, no import."""
+
+    reducer: Any  # a mini_ddp.engine.reducer.Reducer
+    device: torch.device
+    process_group: dist.ProcessGroup
+    config: Any
+    require_backward_grad_sync: bool
+    require_forward_param_sync: bool
+    divide_by_initial_world_size: bool
+
+    def will_sync_module_buffers(self) -> bool: ...
+    def sync_buffers(self, src: int | None = None) -> None: ...
+    def broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None: ...
+
+
+def find_common_rank(model: JoiningModel, candidate: bool) -> int:
     """The highest rank for which ``candidate`` is true on that rank (DDP's tie-break).
 
     One MAX all-reduce; ranks that are not candidates offer -1.
@@ -50,7 +61,7 @@ def find_common_rank(model: DataParallelModel, candidate: bool) -> int:
     return int(rank.item())
 
 
-def notify_forward(model: DataParallelModel) -> None:
+def notify_forward(model: JoiningModel) -> None:
     """At the start of a forward: tell the join context this rank has not joined.
 
     Also fixes this step's gradient divisor: the initial world size, or — inside
@@ -60,12 +71,12 @@ def notify_forward(model: DataParallelModel) -> None:
     work = Join.notify_join_context(model)
     reducer = model.reducer
     reducer.div_factor = reducer.world_size
-    if work is not None and not model._divide_by_initial_world_size:
+    if work is not None and not model.divide_by_initial_world_size:
         work.wait()
         reducer.div_factor = int(work.get_future().value()[0].item())
 
 
-def announce_backward_sync(model: DataParallelModel, joined: bool) -> bool | None:
+def announce_backward_sync(model: JoiningModel, joined: bool) -> bool | None:
     """The all-reduce that tells joined ranks whether this iteration's backward is synced.
 
     Active ranks contribute 1 unless inside ``no_sync()`` and do not wait (as DDP); a joined
@@ -80,43 +91,41 @@ def announce_backward_sync(model: DataParallelModel, joined: bool) -> bool | Non
     return bool(flag.item() != 0)
 
 
-def shadow_backward(reducer: Reducer) -> None:
+def shadow_backward(reducer: Any) -> None:
     """Stand in for a synced backward this rank does not run (it has joined).
 
     Issues what a backward issues, in the same order — one all-reduce of zeros per bucket
     through the comm-hook door, then the unused-parameter map — and waits, as DDP's join
     hook does. Zeros add nothing to the other ranks' sums.
     """
+    buckets = reducer.buckets
     pending = []
-    for bucket in reducer.buckets:
-        zeros = GradBucket(bucket.index, bucket.index == len(reducer.buckets) - 1,
-                           torch.zeros_like(bucket.buffer), bucket.params, bucket.offsets)
-        pending.append((bucket, allreduce_sum_hook(reducer.group, zeros) if reducer.comm_hook
-                        is None else reducer.comm_hook(reducer.comm_hook_state, zeros)))
+    for bucket in buckets:
+        zeros = GradBucket.of(bucket, len(buckets), torch.zeros_like(bucket.buffer))
+        pending.append((bucket, launch_hook(reducer.comm_hook, reducer.comm_hook_state,
+                                            reducer.group, zeros)))
     for bucket, future in pending:
-        reducer._wait(future, bucket)  # the reducer's deadline and error naming
-    if reducer._dynamic_find_unused():
-        reducer._wait(dist.all_reduce(torch.zeros_like(reducer.local_used), group=reducer.group,
-                                      async_op=True).get_future(), None)
-    if should_rebuild(reducer) and not reducer.rebuild_order:
-        # Rebuild with the others before the next forward: DDP pushes every parameter.
-        reducer.rebuild_order = list(range(len(reducer.params)))
+        reducer.wait(future, bucket)  # the reducer's deadline and error naming
+    if reducer.unused_search.dynamic:
+        reducer.wait(reducer.unused_search.shadow_map_reduce(), None)
+    # Rebuild with the others before the next forward: DDP pushes every parameter.
+    reducer.layout.record_all()
 
 
 class DataParallelJoinHook(JoinHook):
     """What a rank that ran out of inputs does while others train, and once all have joined."""
 
-    def __init__(self, model: DataParallelModel, divide_by_initial_world_size: bool):
+    def __init__(self, model: JoiningModel, divide_by_initial_world_size: bool):
         self.model = model
-        model._divide_by_initial_world_size = divide_by_initial_world_size
+        model.divide_by_initial_world_size = divide_by_initial_world_size
         super().__init__()
 
     def main_hook(self) -> None:
         """Shadow one training iteration's collectives (DDP's ``_DDPJoinHook.main_hook``)."""
         model = self.model
-        rebuild_buckets_if_needed(model.reducer)  # the one-time rebuild broadcasts a layout
+        model.reducer.rebuild_buckets_if_needed()  # the one-time rebuild broadcasts a layout
         if model.will_sync_module_buffers():
-            model._sync_buffers(src=find_common_rank(model, candidate=False))
+            model.sync_buffers(src=find_common_rank(model, candidate=False))
         should_sync = announce_backward_sync(model, joined=True)
         # A skipped (no_sync) backward skips the next forward's buffer broadcast, as on the
         # active ranks.
@@ -128,6 +137,6 @@ class DataParallelJoinHook(JoinHook):
         """Give every rank the model of the last rank to join (ties: the highest rank)."""
         model = self.model
         src = find_common_rank(model, candidate=is_last_joiner)
-        model._broadcast_module_states(include_buffers=model.config.forward_sync_buffers,
+        model.broadcast_module_states(include_buffers=model.config.forward_sync_buffers,
                                        src=src)
         model.reducer.div_factor = model.reducer.world_size

@@ -8,7 +8,6 @@ reduced is the reducer's business (:mod:`mini_ddp.engine.reducer`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 import weakref
@@ -24,7 +23,6 @@ from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils import _pytree as pytree
 
-from mini_ddp.engine import graph_state
 from mini_ddp.engine import join as joining
 from mini_ddp.engine.comm import dist_broadcast_coalesced, verify_params_across_ranks
 from mini_ddp.engine.config import DataParallelConfig
@@ -79,7 +77,7 @@ class DataParallelModel(nn.Module, Joinable):
                  shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20):
         super().__init__()
         Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.engine.join
-        self._divide_by_initial_world_size = True
+        self.divide_by_initial_world_size = True  # join(divide_by_initial_world_size=...)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "mini_ddp: DataParallelModel needs torch.distributed to be initialised first. "
@@ -136,7 +134,7 @@ class DataParallelModel(nn.Module, Joinable):
 
         if init_sync:
             verify_params_across_ranks(named, self.process_group)
-            self._broadcast_module_states(include_buffers=init_bufs)
+            self.broadcast_module_states(include_buffers=init_bufs)
         self.transport = None
         if self.config.shared_memory_allreduce and self.device_type == "cpu":
             # Collective on the default group when it has two Gloo ranks; None otherwise.
@@ -207,7 +205,8 @@ class DataParallelModel(nn.Module, Joinable):
             if not isinstance(output_device, int) else output_device
         return ids, out
 
-    def _broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None:
+    def broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None:
+        """Broadcast parameters (and buffers) from group rank ``src`` (start-up, join's end)."""
         states = [p for n, p in self.module.named_parameters() if n not in
                   self.parameters_to_ignore]
         if include_buffers:
@@ -228,10 +227,10 @@ class DataParallelModel(nn.Module, Joinable):
         if grad_enabled and self.require_backward_grad_sync:
             self.reducer.prepare_for_forward()
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
-        if grad_enabled and graph_state.rebuild_buckets_if_needed(self.reducer):
+        if grad_enabled and self.reducer.rebuild_buckets_if_needed():
             logger.info("mini_ddp: buckets rebuilt in gradient-ready order.")
         if self.will_sync_module_buffers():
-            self._sync_buffers()
+            self.sync_buffers()
         # Join's shadow all-reduces go through Gloo: so does every rank's backward meanwhile.
         self.reducer.use_transport = self.transport is not None and not self._join_config.enable
         if self._join_config.enable:
@@ -248,7 +247,7 @@ class DataParallelModel(nn.Module, Joinable):
         else:
             self.require_forward_param_sync = False
             if torch.is_grad_enabled():  # no_sync(): this forward's backward is local by design
-                self.reducer.synced_this_step = False
+                self.reducer.local_backward_follows()
         if (self.find_unused_parameters and not self.static_graph) or (
                 self.static_graph and not self._delay_all_reduce_enqueued):
             output = self._through_sink(output)
@@ -274,7 +273,7 @@ class DataParallelModel(nn.Module, Joinable):
         # Re-read every time: a module may reassign a buffer attribute.
         return (b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore)
 
-    def _sync_buffers(self, src: int | None = None) -> None:
+    def sync_buffers(self, src: int | None = None) -> None:
         """Broadcast buffers from group rank ``src``: 0, or under Join the highest active rank
         (rank 0 may have joined with stale buffers; DDP agrees on a rank the same way)."""
         if src is None:
@@ -382,8 +381,7 @@ class _OutputSink(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple:
         model = ctx.model_ref()
         if model is not None and model.static_graph and not model._delay_all_reduce_enqueued:
-            Variable._execution_engine.queue_callback(
-                functools.partial(graph_state.delay_all_reduce, model.reducer))
+            Variable._execution_engine.queue_callback(model.reducer.delay_all_reduce)
             model._delay_all_reduce_enqueued = True
         return (None, *grads)
 

@@ -9,7 +9,7 @@
   :func:`reclaim_buffers`, which moves any bucket that something besides ``.grad`` still looks
   into (:func:`held_elsewhere`) to a fresh buffer, so saved gradients keep DDP's values.
   When the bucket layout changes, the handed-out ``.grad`` tensors nobody else holds move
-  into the new buffers (:func:`handed_out_grads`, for :mod:`mini_ddp.engine.graph_state`);
+  into the new buffers (:func:`handed_out_grads`, for :class:`~mini_ddp.engine.graph_state.BucketLayout`);
 * :func:`write_back` — one parameter at a time, for the paths with DDP's own rules: unused
   parameters, static graphs, ``gradient_as_bucket_view``, a comm hook returning a new tensor.
 
@@ -104,7 +104,7 @@ def handed_out_grads(buckets: Iterable[Bucket]) -> list[tuple[int, torch.Tensor]
     """``(param index, view)`` for each ``.grad`` still its bucket view, held by nobody else.
 
     When the layout changes these move along into the new buffers (copied over by
-    :func:`mini_ddp.engine.graph_state.install_buckets`), so later steps keep writing in place
+    :meth:`mini_ddp.engine.graph_state.BucketLayout.install`), so later steps keep writing in place
     instead of copying.
     """
     # held_elsewhere is asked before any pair of that bucket exists: the pairs would count.

@@ -1,0 +1,59 @@
+"""Where one reducer is within a training step: counters, flags and the ready set.
+
+Mirrors the per-iteration members of torch's C++ reducer (``num_iterations_``,
+``num_bwd_calls_``, ``expect_autograd_hooks_``, ``require_finalize_``, ``next_bucket_``, the
+static graph's per-parameter hook counts). Plain data with a few verbs; the reducer decides
+when each changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepState:
+    """The per-step state of a reducer over ``num_params`` parameters."""
+
+    num_params: int
+    num_iterations: int = 0          # synced forwards so far
+    num_backward_calls: int = 0      # backward passes that reached a hook (DDP's num_bwd_calls_)
+    backward_counted: bool = False   # this backward is counted (reset when it finishes)
+    # Settled by the first hook of a backward (see Reducer.count_backward): what every hook
+    # of that backward asks, read instead of re-derived per parameter.
+    static_first: bool = False       # a static graph's first backward: hooks only count
+    tracks_used: bool = False        # hooks fill the used map
+    records_order: bool = False      # hooks record the gradient-ready order for the rebuild
+    expect_hooks: bool = False       # a synced backward is expected
+    synced_this_step: bool = False   # a synced backward finished; no forward since
+    require_finalize: bool = False   # some gradient was marked ready and not yet finished
+    marked_unused: bool = False      # this backward's unused parameters were marked ready
+    next_bucket: int = 0             # the next bucket to launch (launches are in order)
+    ready: set[int] = field(default_factory=set)  # parameters marked ready this iteration
+    static_hook_counts: list[int] = field(default_factory=list)  # hooks per param, iteration 1
+    static_hooks_left: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.static_hook_counts = [0] * self.num_params
+        self.static_hooks_left = [0] * self.num_params
+
+    def arm(self, static_graph: bool) -> None:
+        """Before a synced backward: expect hooks, nothing ready, nothing launched."""
+        self.expect_hooks = True
+        self.synced_this_step = False
+        self.next_bucket = 0
+        if static_graph:
+            self.static_hooks_left = list(self.static_hook_counts)
+        self.marked_unused = False
+        self.ready.clear()
+
+    def finish(self) -> None:
+        """A synced backward has finished (its gradients are being written back)."""
+        self.expect_hooks = False
+        self.synced_this_step = True
+        self.require_finalize = False
+        self.backward_counted = False
+
+    def missing(self) -> list[int]:
+        """Parameters not marked ready in this iteration."""
+        return [i for i in range(self.num_params) if i not in self.ready]

@@ -1,0 +1,94 @@
+"""Which parameters a backward used: ``find_unused_parameters`` and the used-map all-reduce.
+
+DDP's ``search_unused_parameters`` and its ``local_used_map`` / ``global_used_map``:
+
+* before a backward, :meth:`UnusedSearch.search` walks the autograd graph from the outputs and
+  lists the parameters it cannot reach; the reducer marks them ready, with zeros, at the first
+  hook (only with ``find_unused_parameters=True`` and no static graph: :attr:`dynamic`);
+* each hook that brings a gradient marks its parameter used (:meth:`mark_used`); once the last
+  bucket has launched, the map is summed over ranks (:meth:`launch_map_reduce`), and a
+  parameter no rank used keeps its ``.grad`` untouched (:meth:`globally_unused`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.errors import naming_collective
+
+Wait = Callable[[torch.futures.Future, Any], Any]
+"""The reducer's bounded wait: ``wait(future, bucket_or_None)``."""
+
+
+def unreachable_params(accumulators: Sequence[Any], outputs: Sequence[torch.Tensor]
+                       ) -> list[int]:
+    """Indices of the ``accumulators`` (AccumulateGrad nodes) unreachable from ``outputs``."""
+    seen: set = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        for next_node, _ in node.next_functions:
+            if next_node is not None and next_node not in seen:
+                seen.add(next_node)
+                stack.append(next_node)
+    return [i for i, acc in enumerate(accumulators) if acc not in seen]
+
+
+class UnusedSearch:
+    """The used maps of one reducer, and the parameters found unused before a backward."""
+
+    def __init__(self, num_params: int, device: torch.device, config: DataParallelConfig,
+                 group: dist.ProcessGroup | None, rank: int):
+        self.group, self.rank = group, rank
+        self.dynamic = config.find_unused_parameters and not config.static_graph
+        """True when every backward searches the graph (DDP's ``dynamic_find_unused``)."""
+        self.unused: list[int] = []  # parameters to mark ready at the first hook
+        self.local_used = torch.zeros(num_params, dtype=torch.int32, device=device)
+        self.global_used: torch.Tensor | None = None  # the summed map, once waited for
+        self._summing: torch.Tensor | None = None  # the map being summed
+        self._future: torch.futures.Future | None = None
+
+    def search(self, accumulators: Sequence[Any], outputs: Sequence[torch.Tensor]) -> None:
+        """Before a backward: find the parameters ``outputs`` cannot reach."""
+        self.unused = unreachable_params(accumulators, outputs)
+
+    def mark_used(self, index: int) -> None:
+        """Parameter ``index`` received a gradient in this backward."""
+        self.local_used[index] = 1
+
+    def launch_map_reduce(self, describe: Callable[[], str]) -> None:
+        """Start summing the local used map over ranks (after the last bucket's launch)."""
+        self._summing = self.local_used.clone()
+        with naming_collective(self.rank, describe):
+            work = dist.all_reduce(self._summing, group=self.group, async_op=True)
+        self._future = work.get_future()
+        self.global_used = None
+
+    def shadow_map_reduce(self) -> torch.futures.Future:
+        """The used-map all-reduce of a rank that has joined: zeros, same shape."""
+        return dist.all_reduce(torch.zeros_like(self.local_used), group=self.group,
+                               async_op=True).get_future()
+
+    def _collect(self, wait: Wait) -> None:
+        if self.global_used is None and self._future is not None:
+            wait(self._future, None)
+            self.global_used = self._summing
+
+    def globally_unused(self, index: int, wait: Wait) -> bool:
+        """True when no rank used parameter ``index`` (waits for the map the first time)."""
+        if self.local_used[index] != 0:
+            return False
+        self._collect(wait)
+        return self.global_used is not None and bool(self.global_used[index] == 0)
+
+    def finish(self, wait: Wait) -> None:
+        """End of a synced backward: wait for the map; a dynamic search starts afresh."""
+        self._collect(wait)
+        if self.dynamic:
+            self.local_used.zero_()
+            self.global_used, self._future = None, None
