@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.observe.timeline import overlap, overlap_summary, plot_timeline, spans
+from mini_ddp.observe.timeline import (
+    overlap,
+    overlap_summary,
+    plot_timeline,
+    spans,
+    user_spans_to_their_step,
+)
 from mini_ddp.observe.tracing import (
     RankTrace,
     TraceRecorder,
@@ -109,8 +115,24 @@ def test_overlap_figure_and_png(traced, tmp_path):
         assert row.exposed_s == pytest.approx(row.comm_s - row.hidden_s)
     assert "hidden" in overlap_summary(rows)
     png = tmp_path / "timeline.png"
-    plot_timeline(traces, str(png))
+    title, legend = plot_timeline(traces, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert title.endswith("steps 2-3")
+    # one entry per colour drawn; the write-back is zero-copy here, so nothing says "copy"
+    assert legend == ["forward", "backward (compute)",
+                      "finalize: wait for the all-reduces, then fill .grad",
+                      "your spans/marks: done, optimizer_step",
+                      "a bucket's all-reduce, launch to completion",
+                      "hook fired (hooks row) / bucket ready (bucket rows)"]
+
+
+def test_a_step_in_the_timeline_ends_with_its_optimizer_step(traced):
+    for rank_trace, _, _ in traced:
+        raw = [s for s in spans(rank_trace) if s.name == "optimizer_step"]
+        assert [s.step for s in raw] == [2, 3, 4]  # spans() counts finalized backwards
+        mine = [s for s in user_spans_to_their_step(spans(rank_trace))
+                if s.name == "optimizer_step"]
+        assert [s.step for s in mine] == [1, 2, 3]
 
 
 # ---- no processes ----------------------------------------------------------------------------

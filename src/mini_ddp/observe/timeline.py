@@ -90,25 +90,59 @@ def _mean(values: Iterable[float]) -> float:
 
 
 # ---- PNG timeline --------------------------------------------------------------------------
-_COLOURS = {"forward": "tab:blue", "backward": "tab:orange",
-            "finalize (wait + copy back)": "tab:gray"}
+_ENGINE_COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "finalize": "tab:gray"}
+_ENGINE_LABELS = {"forward": "forward", "backward": "backward (compute)",
+                  # Neutral on purpose: with the zero-copy write-back nothing is copied, .grad
+                  # just becomes a view of its bucket; otherwise the bucket is copied out.
+                  "finalize": "finalize: wait for the all-reduces, then fill .grad"}
+_USER_COLOUR, _COMM_COLOUR, _TICK_COLOUR = "tab:green", "tab:red", "black"
+
+
+def _engine_part(span: Span) -> str | None:
+    """"forward", "backward" or "finalize" for the engine's own compute spans; None for the
+    user's spans and marks (``rec.span`` / ``rec.mark``)."""
+    for part in _ENGINE_COLOURS:
+        if span.name == part or span.name.startswith(part + " "):
+            return part
+    return None
+
+
+def user_spans_to_their_step(rank_spans: list[Span]) -> list[Span]:
+    """Give each user span the step it ends: :func:`spans` counts steps by finalized backwards,
+    so an optimizer step run after step N's backward is tagged N + 1; here it belongs to N."""
+    forward_at = {s.step: s.start for s in rank_spans if _engine_part(s) == "forward"}
+    out = []
+    for s in rank_spans:
+        if s.track == "compute" and _engine_part(s) is None and s.step > 1 \
+                and s.start < forward_at.get(s.step, float("inf")):
+            s = Span(s.track, s.name, s.start, s.end, s.step - 1, s.args)
+        out.append(s)
+    return out
 
 
 def plot_timeline(traces: list[RankTrace], path: str, last_steps: int = 2,
-                  title: str = "") -> None:
-    """Draw the last ``last_steps`` finished steps of every rank: compute, hooks, buckets."""
+                  title: str = "") -> tuple[str, list[str]]:
+    """Draw the last ``last_steps`` finished steps of every rank: compute, hooks, buckets.
+
+    A step runs from its forward to the end of the user's spans after its backward (the
+    optimizer step), so the title's step range is exactly what is drawn; the legend lists
+    only what was drawn. Returns the title and the legend's labels.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-    per_rank = [(t.rank, spans(t)) for t in traces]
-    finished = min(max((s.step for s in ss if s.name == "backward"), default=0)
+    per_rank = [(t.rank, user_spans_to_their_step(spans(t))) for t in traces]
+    finished = min(max((s.step for s in ss if _engine_part(s) == "finalize"), default=0)
                    for _, ss in per_rank)
     shown = set(range(max(1, finished - last_steps + 1), finished + 1)) or {1}
     chosen = [(r, [s for s in ss if s.step in shown]) for r, ss in per_rank]
     t0 = min((s.start for _, ss in chosen for s in ss), default=0)
     rows: list[str] = []
+    used: dict[str, set[str]] = {"engine": set(), "user": set(), "comm": set(), "tick": set()}
     fig_height = 2.0 + 0.35 * sum(2 + len({s.track for s in ss if s.track.startswith("bucket")})
                                   for _, ss in chosen)
     fig, ax = plt.subplots(figsize=(12, fig_height))
@@ -120,28 +154,45 @@ def plot_timeline(traces: list[RankTrace], path: str, last_steps: int = 2,
             rows.append(f"rank {rank} {'comm ' if track in buckets else ''}{track}")
             for s in (s for s in rank_spans if s.track == track):
                 x0, width = (s.start - t0) / 1e6, (s.end - s.start) / 1e6
-                if track == "hooks" or (track != "compute" and width == 0):
-                    ax.plot([x0, x0], [y - 0.3, y + 0.3], color="black", linewidth=0.8)
-                elif track == "compute" and width == 0:
-                    ax.plot([x0, x0], [y - 0.4, y + 0.4], color="tab:green", linewidth=2)
+                part = _engine_part(s) if track == "compute" else None
+                if track == "compute" and part is None:
+                    used["user"].add(s.name)
+                    if width == 0:  # a mark
+                        ax.plot([x0, x0], [y - 0.4, y + 0.4], color=_USER_COLOUR, linewidth=2)
+                    else:
+                        ax.broken_barh([(x0, width)], (y - 0.35, 0.7), color=_USER_COLOUR,
+                                       alpha=0.85)
+                elif track == "compute":
+                    used["engine"].add(part)
+                    ax.broken_barh([(x0, width)], (y - 0.35, 0.7),
+                                   color=_ENGINE_COLOURS[part], alpha=0.85)
+                elif track == "hooks" or width == 0:
+                    used["tick"].add(track)
+                    ax.plot([x0, x0], [y - 0.3, y + 0.3], color=_TICK_COLOUR, linewidth=0.8)
                 else:
-                    colour = _COLOURS.get(s.name, "tab:green") if track == "compute" \
-                        else f"C{(int(track.split()[1]) + 3) % 10}"
-                    ax.broken_barh([(x0, width)], (y - 0.35, 0.7), color=colour, alpha=0.85)
+                    used["comm"].add(track)
+                    ax.broken_barh([(x0, width)], (y - 0.35, 0.7), color=_COMM_COLOUR,
+                                   alpha=0.85)
     ax.set_yticks([-i for i in range(len(rows))], rows)
     ax.set_xlabel("time (ms), clocks aligned across ranks")
-    ax.set_title(title or f"gradient synchronisation on {len(traces)} ranks, steps "
-                 f"{min(shown)}-{max(shown)}", fontsize=10)
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    legend = [Patch(color=c, label=n) for n, c in _COLOURS.items()] + [
-        Patch(color="tab:green", label="your spans/marks (optimizer step)"),
-        Patch(color="C3", label="all-reduce of a bucket, launch to completion"),
-        Line2D([], [], color="black", linewidth=0.8, label="hook fired / bucket ready")]
+    steps = f"step {min(shown)}" if len(shown) == 1 else f"steps {min(shown)}-{max(shown)}"
+    title = title or f"gradient synchronisation on {len(traces)} ranks, {steps}"
+    ax.set_title(title, fontsize=10)
+    legend = [Patch(color=_ENGINE_COLOURS[p], label=_ENGINE_LABELS[p])
+              for p in _ENGINE_COLOURS if p in used["engine"]]
+    if used["user"]:
+        legend.append(Patch(color=_USER_COLOUR, label="your spans/marks: "
+                            + ", ".join(sorted(used["user"]))))
+    if used["comm"]:
+        legend.append(Patch(color=_COMM_COLOUR, label="a bucket's all-reduce, launch to "
+                            "completion"))
+    if used["tick"]:
+        legend.append(Line2D([], [], color=_TICK_COLOUR, linewidth=0.8,
+                             label="hook fired (hooks row) / bucket ready (bucket rows)"))
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 * 6 / fig_height),
               ncol=3, fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return title, [h.get_label() for h in legend]
