@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mini_ddp.tools import bench
-from mini_ddp.tools.bench_models import BENCH_MODELS, ENGINES, build_engine, tensor_bytes
+from mini_ddp.tools.bench_models import ENGINES, build_engine, tensor_bytes
+from mini_ddp.training.models import ZOO
 
 
 @pytest.mark.timeout(300)
@@ -38,11 +39,11 @@ def test_bench_end_to_end_tiny_model_emits_json_with_all_engines(tmp_path, capsy
 
 def test_tensor_bytes_counts_params_grads_and_buckets_once():
     # No process group needed for the plain engines; the DDP ones are covered end to end.
-    base = BENCH_MODELS["tiny"].factory()
+    base = ZOO["tiny"].builder()
     engine = build_engine("compute", base, None, False)
     params = sum(p.numel() * 4 for p in base.parameters())
     assert tensor_bytes(engine) == params  # no grads yet
-    x, y = BENCH_MODELS["tiny"].make_batch(4, torch.Generator().manual_seed(0))
+    x, y = ZOO["tiny"].make_batch(4, torch.Generator().manual_seed(0))
     engine.step((x, y))
     assert tensor_bytes(engine) == 2 * params  # + one gradient per parameter
 

@@ -11,7 +11,9 @@ from torch import nn
 
 from mini_ddp import DataParallelModel, run_ranks
 from mini_ddp.engine.buckets import describe_layout
-from mini_ddp.observe.explain import MixedDtypeMLP, explain, layouts, main
+from mini_ddp.observe.explain import explain, layouts
+from mini_ddp.tools.explain_cli import main
+from mini_ddp.training.models import MixedDtypeMLP
 
 
 def _net() -> nn.Module:
@@ -21,17 +23,24 @@ def _net() -> nn.Module:
 
 def _tables(text):
     """Each table in an explain() text: {bucket: (dtype, bytes, [names])}."""
-    tables, current = [], None
+    tables, current, column, last = [], None, 0, None
     for line in text.splitlines():
         if line.strip().startswith("bucket  dtype"):
-            current = {}
+            current, column = {}, line.index("parameters")
             tables.append(current)
         elif current is not None and re.match(r"^\s+\d+\s{2}", line):
             index, dtype, _device, nbytes, count, names = re.split(r"\s{2,}", line.strip(), maxsplit=5)
-            current[int(index)] = (dtype, int(nbytes.replace(",", "")), names.split(", "))
-            assert int(count) == len(current[int(index)][2])
+            last = int(index)
+            current[last] = (dtype, int(nbytes.replace(",", "")), int(count), names.rstrip(","))
+        elif current is not None and line.startswith(" " * column) and line.strip():
+            dtype, nbytes, count, names = current[last]  # a wrapped name list continues
+            current[last] = (dtype, nbytes, count, f"{names}, {line.strip().rstrip(',')}")
         else:
             current = None
+    for table in tables:
+        for k, (dtype, nbytes, count, names) in table.items():
+            table[k] = (dtype, nbytes, names.split(", "))
+            assert count == len(table[k][2]), (count, names)
     return tables
 
 
@@ -127,6 +136,23 @@ def test_find_unused_parameters_keeps_the_first_layout(results):
 def test_cli_prints_the_explanation(results):
     assert "layout 2 (current)" in results[0]["cli"]
     assert "float64" in results[0]["cli"]
+
+
+def test_cli_cuts_and_wraps_long_name_lists(capsys):
+    main(["--model", "lenet", "--steps", "1", "--max-names", "3", "--bucket-cap-mb", "0.01"])
+    out = capsys.readouterr().out
+    assert "0.weight, 0.bias, 3.weight, ... and 7 more" in out
+    assert max(len(line) for line in out.splitlines() if "... and" in line) < 120
+    assert "10 parameters, 242 KiB of gradients" in out.splitlines()[0]
+    assert "cap 10.2 KiB (10,485 bytes)" in out and "0.0099" not in out
+
+
+def test_cli_usage_error_for_an_unknown_model(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "lenett"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'lenett'" in err and "lenet" in err and "resnet18" in err
 
 
 def test_describe_layout_cuts_long_name_lists():

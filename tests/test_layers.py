@@ -123,7 +123,12 @@ def private_definitions(tree: ast.Module) -> set[str]:
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
-DEFINED = {name: private_definitions(tree) for name, tree in TREES.items()}
+# torch DDP's own underscore API, which DataParallelModel implements for drop-in use: callers
+# (torch's tests, real training code, our tools comparing with torch DDP) use it by contract.
+TORCH_DDP_API = {"_get_ddp_logging_data", "_set_ddp_runtime_logging_sample_rate",
+                 "_set_static_graph", "_register_builtin_comm_hook",
+                 "_set_params_and_buffers_to_ignore_for_model"}
+DEFINED = {name: private_definitions(tree) - TORCH_DDP_API for name, tree in TREES.items()}
 
 
 def test_no_private_names_across_modules() -> None:

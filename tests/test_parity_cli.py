@@ -15,6 +15,7 @@ import torch
 
 from mini_ddp.tools import parity
 from mini_ddp.tools.parity_report import compare_tensors, ulp_distance
+from mini_ddp.training.models import ZOO, resolve_model
 
 RESNET_ARGS = ["--model", "resnet18", "--world-size", "3", "--batch-size", "2"]
 
@@ -48,7 +49,7 @@ def test_injected_divide_after_bug_is_caught(capsys):
     step, phase, name, bucket, rank, max_abs, ulp = first.groups()
     # x / 3 after the sum differs from DDP's x * (1/3) before it in the very first gradients.
     assert (step, phase, rank) == ("1", "grad", "0"), out
-    assert name in dict(torch.nn.Module.named_parameters(parity.BUILTINS["resnet18"][0]()))
+    assert name in dict(torch.nn.Module.named_parameters(ZOO["resnet18"].builder()))
     assert int(bucket) == 0 and int(ulp) >= 1 and 0 < float(max_abs) < 1e-3
     assert re.search(r"^\s+1\s+\d+\s+NO\s", out, re.M) and f"grad   {name}" in out
 
@@ -88,9 +89,9 @@ def test_compare_tensors_bitwise_tolerance_and_none():
 def test_resolve_model_specs():
     from torchvision import models
 
-    assert parity.resolve_model("torchvision:resnet18") is models.resnet18
-    assert parity.resolve_model("torchvision.models:resnet18") is models.resnet18
-    assert parity.resolve_model("mini_ddp.tools.parity:_mlp") is parity._mlp
-    assert isinstance(parity.resolve_model("lenet")(), torch.nn.Sequential)
+    assert resolve_model("torchvision:resnet18") is models.resnet18
+    assert resolve_model("torchvision.models:resnet18") is models.resnet18
+    assert resolve_model("mini_ddp.training.models:mlp") is ZOO["mlp"].builder.__globals__["mlp"]
+    assert isinstance(resolve_model("lenet")(), torch.nn.Sequential)
     with pytest.raises(ValueError, match="unknown model"):
-        parity.resolve_model("no-such-model")
+        resolve_model("no-such-model")

@@ -20,6 +20,13 @@ class DataParallelConfig:
     a small first bucket (``first_bucket_bytes``) after the rebuild; an explicit value uses
     that cap for every bucket, the first included."""
 
+    bucket_cap_mb_list: list[float] | None = None
+    """Per-bucket caps in MiB: bucket *i* of each dtype/device is capped by entry *i*, later
+    ones by the last entry — for the first iteration's layout (over definition order, even
+    without unused-parameter search) and for the rebuild alike, as torch DDP's
+    ``bucket_cap_mb_list``. ``bucket_cap_mb`` is then ignored: the cap is the list's maximum
+    and there is no separate small first bucket."""
+
     first_bucket_bytes: int | None = None
     """Cap of the first bucket after the rebuild. ``None`` reads DDP's module-level
     ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) when ``bucket_cap_mb`` is
@@ -89,6 +96,8 @@ class DataParallelConfig:
             self.sync_timeout_s = process_group_timeout_s(group)
 
     def __post_init__(self) -> None:
+        if self.bucket_cap_mb_list:
+            self.bucket_cap_mb = max(self.bucket_cap_mb_list)  # what DDP reports as the cap
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"mini_ddp: bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         if self.first_bucket_bytes is None:
@@ -108,6 +117,8 @@ class DataParallelConfig:
         dtype/device into a single bucket: definition order is not backward order, and a wrong
         early launch could deadlock against other collectives. The rebuild fixes the layout.
         """
+        if self.bucket_cap_mb_list:
+            return self.per_bucket_caps()
         if self.static_graph or not self.find_unused_parameters:
             return [sys.maxsize]
         if self.first_bucket_bytes < self.bucket_bytes_cap:
@@ -116,7 +127,13 @@ class DataParallelConfig:
 
     def rebuild_size_limits(self) -> list[int]:
         """Caps for the one-time rebuild over gradient-ready order: [first bucket, cap]."""
+        if self.bucket_cap_mb_list:
+            return self.per_bucket_caps()
         return [self.first_bucket_bytes, self.bucket_bytes_cap]
+
+    def per_bucket_caps(self) -> list[int]:
+        """``bucket_cap_mb_list`` in bytes (DDP truncates each MiB × 2**20 to an integer)."""
+        return [int(cap * MIB) for cap in self.bucket_cap_mb_list or ()]
 
     def layout_reason(self, rebuilt: bool) -> str:
         """Why the bucket layout is what it is, in one line (start-up log, ``explain``)."""

@@ -149,8 +149,8 @@ def check_comm_hook(hook: object) -> None:
     all-reduce works on Gloo (see docs/comm_hooks.md).
     """
     if not callable(hook):
-        raise TypeError(f"mini_ddp: communication hook must be callable, got {hook!r} "
-                        f"(a {type(hook).__name__})")
+        raise TypeError(f"Communication hook must be callable. (mini_ddp: got {hook!r}, a "
+                        f"{type(hook).__name__})")
     name = hook_name(hook)
     try:
         sig = inspect.signature(hook)
@@ -165,13 +165,32 @@ def check_comm_hook(hook: object) -> None:
     if bucket_param is not None and bucket_param.annotation not in (
             inspect.Parameter.empty, dist.GradBucket, GradBucket, "dist.GradBucket",
             "GradBucket"):
-        raise ValueError(f"mini_ddp: communication hook {name}: bucket annotation should be "
-                         f"dist.GradBucket, got {bucket_param.annotation!r}.")
+        raise ValueError(f"Communication hook: bucket annotation should be dist.GradBucket. "
+                         f"(mini_ddp: {name} has {bucket_param.annotation!r})")
     if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future,
                                      torch.futures.Future[torch.Tensor]) \
             and not isinstance(sig.return_annotation, str):
-        raise ValueError(f"mini_ddp: communication hook {name}: return annotation should be "
-                         f"torch.futures.Future[torch.Tensor], got {sig.return_annotation!r}.")
+        raise ValueError("Communication hook: return annotation should be "
+                         f"torch.futures.Future[torch.Tensor]. (mini_ddp: {name} has "
+                         f"{sig.return_annotation!r})")
+
+
+def builtin_comm_hook(comm_hook_type: dist.BuiltinCommHookType) -> CommHook:
+    """The Python hook that computes what torch's C++ built-in hook ``comm_hook_type`` does.
+
+    ``ALLREDUCE`` divides the bucket by the group size, then sums it across ranks;
+    ``FP16_COMPRESS`` does the same on a float16 copy and copies the result back. torch's
+    ``default_hooks.allreduce_hook`` / ``fp16_compress_hook`` run the same operations in the
+    same order, so the bits are the same (tests/test_dropin_private_api.py compares them with
+    torch DDP's built-ins). Both take the process group as their state.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+             dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+    if comm_hook_type not in hooks:
+        raise NotImplementedError(f"mini_ddp: built-in comm hook {comm_hook_type} is unknown")
+    return hooks[comm_hook_type]
 
 
 def result_tensor(value: object, hook: object, bucket: GradBucket) -> torch.Tensor:

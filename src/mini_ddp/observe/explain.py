@@ -15,15 +15,15 @@ The tables use :func:`mini_ddp.engine.buckets.describe_layout`, like the start-u
 
 from __future__ import annotations
 
-import argparse
+import textwrap
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import nn
 
 from mini_ddp.engine.buckets import describe_layout
+from mini_ddp.engine.config import format_bytes
 from mini_ddp.engine.graph_state import should_rebuild
 
 _ORDINAL = {1: "st", 2: "nd", 3: "rd"}
@@ -70,13 +70,28 @@ def layouts(model: Any) -> list[LayoutView]:
     return views
 
 
+NAMES_WIDTH = 60  # characters of parameter names per line of a table, before wrapping
+
+
 def layout_table(model: Any, view: LayoutView, max_names: int | None = None) -> str:
-    """``view`` as the same table the start-up log prints."""
+    """``view`` as the table the start-up log prints, its name lists cut to ``max_names``
+    ("... and N more") and wrapped onto continuation lines."""
     params = model.reducer.params
     rows = [SimpleNamespace(index=k, param_indices=indices, buffer=params[indices[0]],
                             nbytes=sum(_nbytes(params[i]) for i in indices))
             for k, indices in enumerate(view.buckets)]
-    return describe_layout(rows, model.reducer.names, max_names)
+    table = describe_layout(rows, model.reducer.names, None).splitlines()
+    column = table[0].index("parameters")
+    out = [table[0]]
+    for line, row in zip(table[1:], rows, strict=True):
+        names = [model.reducer.names[i] for i in row.param_indices]
+        if max_names is not None and len(names) > max_names:
+            names = names[:max_names] + [f"... and {len(names) - max_names} more"]
+        wrapped = textwrap.wrap(", ".join(names), NAMES_WIDTH, break_on_hyphens=False,
+                                break_long_words=False) or [""]
+        out.append(line[:column] + wrapped[0])
+        out += [" " * column + rest for rest in wrapped[1:]]
+    return "\n".join(out)
 
 
 def bucket_reasons(model: Any, view: LayoutView) -> list[str]:
@@ -102,9 +117,11 @@ def bucket_reasons(model: Any, view: LayoutView) -> list[str]:
         if limit >= 2**62:
             why = f"every {dtype} parameter (no cap before the rebuild)"
         elif size >= limit:
-            why = f"closed when it reached its cap: {size:,} >= {limit:,} bytes"
+            why = (f"closed when it reached its cap: {format_bytes(size)} >= "
+                   f"{format_bytes(limit)}")
         else:
-            why = f"the {dtype} gradients left when the order ran out ({size:,} < {limit:,} bytes)"
+            why = (f"the {dtype} gradients left when the order ran out ({format_bytes(size)} "
+                   f"< {format_bytes(limit)} cap)")
         if keys[k] != main_key:
             why += f"; {dtype} on {keys[k][1]} is bucketed separately (one dtype per bucket)"
         lines.append(f"  bucket {k}: {why}")
@@ -138,7 +155,7 @@ def explain(model: Any, max_names: int | None = None) -> str:
     reducer, cfg = model.reducer, model.config
     out = [f"Bucket layout of rank {reducer.rank} of {reducer.world_size}: "
            f"{len(reducer.params)} parameters, "
-           f"{sum(_nbytes(p) for p in reducer.params):,} bytes of gradients",
+           f"{format_bytes(sum(_nbytes(p) for p in reducer.params))} of gradients",
            f"bucket_cap_mb={cfg.bucket_cap_mb}, find_unused_parameters="
            f"{cfg.find_unused_parameters}, static_graph={cfg.static_graph}, "
            f"gradient_as_bucket_view={cfg.gradient_as_bucket_view}. Buckets launch strictly "
@@ -152,66 +169,3 @@ def explain(model: Any, max_names: int | None = None) -> str:
         out += ["", "rebuild: not yet — it needs the gradient order of one synced backward."]
     out += ["", "where each parameter is (current layout):", *parameter_reasons(model)]
     return "\n".join(out)
-
-
-# ---- the `explain` subcommand ---------------------------------------------------------------
-class MixedDtypeMLP(nn.Module):
-    """A float32 MLP with a float64 head: shows that each dtype is bucketed separately."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 256)
-        self.head = nn.Linear(256, 10).double()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) for a (batch, 64) input."""
-        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))).double()).float()
-
-
-def demo_model(name: str) -> tuple[nn.Module, torch.Size]:
-    """A model of the project's demo set and the shape of one input sample."""
-    from mini_ddp.training.models import Seed002CNN, resnet18_cifar
-
-    if name == "lenet":
-        return Seed002CNN(), torch.Size([3, 32, 32])
-    if name == "resnet18":
-        return resnet18_cifar(), torch.Size([3, 32, 32])
-    return MixedDtypeMLP(), torch.Size([64])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mini_ddp explain``: wrap a model, run a few steps, print :func:`explain`."""
-    import torch.distributed as dist
-
-    from mini_ddp.engine.model import DataParallelModel
-
-    parser = argparse.ArgumentParser(prog="python -m mini_ddp explain", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["lenet", "resnet18", "mixed"], default="lenet")
-    parser.add_argument("--bucket-cap-mb", type=float, default=None,
-                        help="DDP's bucket_cap_mb (default: DDP's 25 MiB, first bucket 1 MiB)")
-    parser.add_argument("--find-unused-parameters", action="store_true")
-    parser.add_argument("--static-graph", action="store_true")
-    parser.add_argument("--steps", type=int, default=2, help="training steps before explaining")
-    parser.add_argument("--max-names", type=int, default=None, help="cut long name lists")
-    args = parser.parse_args(argv)
-    own_group = not dist.is_initialized()
-    if own_group:  # the layout does not depend on the world size: one local rank suffices
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        module, shape = demo_model(args.model)
-        model = DataParallelModel(module, bucket_cap_mb=args.bucket_cap_mb,
-                                  find_unused_parameters=args.find_unused_parameters,
-                                  static_graph=args.static_graph)
-        for _ in range(args.steps):
-            model(torch.randn(4, *shape)).square().mean().backward()
-        print(explain(model, args.max_names))
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,54 +17,28 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import logging
 import os
 import platform
 import resource
 import statistics
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mini_ddp.engine.buckets import MIB
 from mini_ddp.tools.bench_models import (
     ABLATIONS,
-    BENCH_MODELS,
+    BENCH_BATCH,
     ENGINES,
-    Engine,
     build_engine,
     memory_report,
 )
-from mini_ddp.tools.cli import emit_report
+from mini_ddp.tools.report import emit_report, time_blocks
+from mini_ddp.training.models import ZOO
 from mini_ddp.training.spawn import RankContext, run_ranks
 
 logger = logging.getLogger("mini_ddp.tools.bench")
-
-
-def _time_blocks(engines: dict[str, Engine], batches: list, steps: int, blocks: int,
-                 warmup: int) -> dict[str, dict[str, list[float]]]:
-    """Per engine, each block's median wall and CPU seconds per step; engines alternate."""
-    names = list(engines)
-    for name in names:  # warm-up: DDP's one-time bucket rebuild, allocator, Gloo pairs
-        for i in range(warmup):
-            engines[name].step(batches[i % len(batches)])
-    out = {name: {"wall": [], "cpu": []} for name in names}
-    for block in range(blocks):
-        for name in names[block % len(names):] + names[:block % len(names)]:
-            gc.collect()
-            dist.barrier()  # every rank starts the block together
-            wall, cpu = [], []
-            for i in range(steps):
-                w, c = time.perf_counter(), time.process_time()
-                engines[name].step(batches[i % len(batches)])
-                wall.append(time.perf_counter() - w)
-                cpu.append(time.process_time() - c)
-            out[name]["wall"].append(statistics.median(wall))
-            out[name]["cpu"].append(statistics.median(cpu))
-    return out
 
 
 def steady_malloc() -> bool:
@@ -98,14 +72,15 @@ def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]], malloc: str
         logger.warning("bench: not glibc; --malloc steady has no effect")
     results = []
     for job in jobs:
-        spec = BENCH_MODELS[job["model"]]
+        spec, batch = ZOO[job["model"]], BENCH_BATCH[job["model"]]
         torch.manual_seed(0)  # the same base model on every rank: no start-up broadcast needed
-        base = spec.factory()
+        base = spec.builder()
         g = torch.Generator().manual_seed(1000 + ctx.rank)
-        batches = [spec.make_batch(spec.batch, g) for _ in range(2)]
-        engines = {n: build_engine(n, base, job["cap"], job["gabv"]) for n in job["engines"]}
-        result: dict[str, Any] = {"blocks": _time_blocks(engines, batches, job["steps"],
-                                                         job["blocks"], job["warmup"])}
+        batches = [spec.make_batch(batch, g) for _ in range(2)]
+        engines = {n: build_engine(n, base, job["cap"], job["gabv"], spec.loss)
+                   for n in job["engines"]}
+        result: dict[str, Any] = {"blocks": time_blocks(engines, batches, job["steps"],
+                                                        job["blocks"], job["warmup"])}
         del engines
         if job["memory"]:  # several rounds, keep each engine's lowest peak (RSS is noisy)
             rounds = [memory_report(base, batches, job["cap"], job["mem_steps"], job["engines"])
@@ -275,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point (``python -m mini_ddp bench``); returns the exit status."""
     p = argparse.ArgumentParser(prog="mini_ddp bench", description=__doc__.split("\n")[0])
     p.add_argument("--models", default="resnet18,mlp20m,transformer",
-                   help=f"comma-separated, of {','.join(BENCH_MODELS)}")
+                   help=f"comma-separated, of {','.join(BENCH_BATCH)}")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated, of {','.join(ENGINES)}; ablations: "
                    f"{','.join(ABLATIONS)}")
@@ -306,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         args.world_sizes, args.sweep_caps = "2", "1,25"
     args.models, args.engines = _list(args.models), _list(args.engines)
     args.world_sizes, args.sweep_caps = _list(args.world_sizes, int), _list(args.sweep_caps, float)
-    if bad := (set(args.models) - set(BENCH_MODELS)) | (set(args.engines) - set(ENGINES)
+    if bad := (set(args.models) - set(BENCH_BATCH)) | (set(args.engines) - set(ENGINES)
                                                             - set(ABLATIONS)):
         p.error(f"unknown models or engines: {sorted(bad)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -1,4 +1,7 @@
-"""What the benchmark runs: its models (each with a batch maker) and the engines around them.
+"""What the benchmark runs: zoo models at benchmark batch sizes, and the engines around them.
+
+Models come from :data:`mini_ddp.training.models.ZOO` (builder, input, loss); the benchmark
+adds only its per-rank batch size (:data:`BENCH_BATCH`):
 
 * ``resnet18`` — torchvision's ResNet-18 (:func:`mini_ddp.training.models.resnet18_cifar`), 32×32 images:
   11.2 M parameters in 62 tensors, compute-heavy, many small gradients.
@@ -29,77 +32,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mini_ddp.engine.model import DataParallelModel
-from mini_ddp.training.models import resnet18_cifar
+from mini_ddp.training.models import compute_loss
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class TinyLM(nn.Module):
-    """Embedding → ``nn.TransformerEncoder`` → per-token vocabulary logits."""
-
-    def __init__(self, vocab: int = 1000, d_model: int = 256, layers: int = 4,
-                 heads: int = 4, ff: int = 1024) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        layer = nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.0, batch_first=True)
-        # enable_nested_tensor only matters for padded inference; off, it does not warn.
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, seq, vocab) for integer ``tokens`` of shape (batch, seq)."""
-        return self.head(self.encoder(self.embed(tokens)))
-
-
-def mlp(widths: list[int]) -> nn.Sequential:
-    """Linear layers of the given widths with ReLUs in between."""
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
-        layers.append(nn.Linear(a, b))
-        if i < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-def _images(batch: int, g: torch.Generator) -> Batch:
-    return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
-
-
-@dataclass(frozen=True)
-class BenchModel:
-    """A model factory, its per-rank batch size and a batch maker ``(batch, generator)``."""
-
-    factory: Callable[[], nn.Module]
-    batch: int
-    make_batch: Callable[[int, torch.Generator], Batch]
-    description: str
-
-
-MLP20M_WIDTHS = [1024, 2688, 2688, 2688, 1024, 10]
-
-BENCH_MODELS: dict[str, BenchModel] = {
-    "resnet18": BenchModel(resnet18_cifar, 32, _images, "ResNet-18, 3x32x32, batch 32/rank"),
-    "mlp20m": BenchModel(
-        lambda: mlp(MLP20M_WIDTHS), 64,
-        lambda b, g: (torch.randn(b, MLP20M_WIDTHS[0], generator=g),
-                      torch.randint(0, 10, (b,), generator=g)),
-        "MLP 1024-2688-2688-2688-1024-10 (20 M params), batch 64/rank"),
-    "transformer": BenchModel(
-        TinyLM, 16,
-        lambda b, g: (torch.randint(0, 1000, (b, 64), generator=g),
-                      torch.randint(0, 1000, (b, 64), generator=g)),
-        "TransformerEncoder LM, 4 layers, d=256, seq 64, batch 16/rank"),
-    "tiny": BenchModel(
-        lambda: mlp([16, 32, 32, 4]), 8,
-        lambda b, g: (torch.randn(b, 16, generator=g), torch.randint(0, 4, (b,), generator=g)),
-        "MLP 16-32-32-4, batch 8/rank (tests)"),
-}
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension (works for per-token logits too)."""
-    return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
-
+# The zoo models (mini_ddp.training.models.ZOO) the benchmark runs, and the per-rank batch
+# each is measured at: a measurement setting, so it lives here and not in the zoo.
+BENCH_BATCH: dict[str, int] = {"resnet18": 32, "mlp20m": 64, "transformer": 16, "tiny": 8}
 
 ENGINES = ("torch_ddp", "mini_ddp", "naive", "compute")
 # Ablations, on request (--engines): mini_ddp with one of its own speed-ups switched off.
@@ -117,6 +57,7 @@ class Engine:
     opt: torch.optim.Optimizer
     gabv: bool = False
     probe: Callable[[], None] | None = None  # called after backward and after the step
+    loss: str = "cross_entropy"  # a mini_ddp.training.models.LOSSES key
 
     def step(self, batch: Batch) -> None:
         """Zero grads, forward, loss, backward, (naive: sync), SGD step.
@@ -125,7 +66,7 @@ class Engine:
         stay bucket views and backward accumulates straight into the buckets (the use torch
         documents for saving memory)."""
         self.opt.zero_grad(set_to_none=not self.gabv)
-        loss_fn(self.model(batch[0]), batch[1]).backward()
+        compute_loss(self.loss, self.model(batch[0]), batch[1]).backward()
         if self.name == "naive":
             world = dist.get_world_size()
             for p in self.model.parameters():
@@ -139,7 +80,8 @@ class Engine:
             self.probe()
 
 
-def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool) -> Engine:
+def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool,
+                 loss: str = "cross_entropy") -> Engine:
     """Wrap a deep copy of ``base`` as engine ``name`` (one of :data:`ENGINES`), with SGD."""
     module = copy.deepcopy(base)
     if name == "torch_ddp":
@@ -152,7 +94,7 @@ def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool) -> E
         model = module
     else:
         raise ValueError(f"unknown engine {name!r}; choose from {ENGINES + tuple(ABLATIONS)}")
-    return Engine(name, model, torch.optim.SGD(model.parameters(), lr=1e-4), gabv)
+    return Engine(name, model, torch.optim.SGD(model.parameters(), lr=1e-4), gabv, loss=loss)
 
 
 def tensor_bytes(engine: Engine) -> int:

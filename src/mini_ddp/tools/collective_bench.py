@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mini_ddp.tools.cli import emit_report
+from mini_ddp.tools.report import emit_report
 from mini_ddp.training.spawn import RankContext, run_ranks
 from mini_ddp.transport.collectives import ALLREDUCES
 from mini_ddp.transport.collectives.cost import FORMULA_TEXT, fit_alpha_beta, predict

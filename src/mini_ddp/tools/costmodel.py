@@ -30,42 +30,11 @@ from typing import Any
 import torch
 
 from mini_ddp.engine.buckets import MIB, assign_buckets
-from mini_ddp.tools.cli import emit_report
+from mini_ddp.tools.bench_models import BENCH_BATCH
+from mini_ddp.tools.costmodel_inputs import NETWORKS, Network, Profile, profile_to_dict
+from mini_ddp.tools.report import emit_report
 from mini_ddp.training.spawn import run_ranks
 from mini_ddp.transport.collectives.cost import predict as ab_predict
-
-
-@dataclass
-class Profile:
-    """One rank's step, times in seconds; ``param_*`` are in gradient-arrival order."""
-
-    forward_s: float
-    backward_s: float            # backward start -> end of its computation
-    copy_out_s: float            # copying every bucket back into .grad (after backward)
-    optimizer_s: float
-    param_ready_s: list[float]   # when each parameter's gradient arrived (from backward start)
-    param_bytes: list[int]
-    bucket_ready_s: list[float]  # the measured layout: when each bucket was full
-    bucket_bytes: list[int]
-    bucket_params: list[list[int]]  # positions in param_* order
-    model: str = ""
-
-
-@dataclass(frozen=True)
-class Network:
-    """Per-message latency ``alpha`` (s) and per-byte cost ``beta`` (s/B), for the ring."""
-
-    alpha: float
-    beta: float
-    name: str = ""
-
-
-# Illustrative networks (alpha, 1/beta). Loopback numbers come from a fit, not from here.
-NETWORKS = {
-    "10GbE": Network(30e-6, 1 / 1.1e9, "10 GbE, TCP"),
-    "100Gb-IB": Network(5e-6, 1 / 11e9, "100 Gb/s InfiniBand"),
-    "NVLink": Network(3e-6, 1 / 150e9, "NVLink (intra-node)"),
-}
 
 
 @dataclass
@@ -120,11 +89,6 @@ def predict(profile: Profile, n: int, net: Network, cap_mb: float | None = None,
     exposed = end - backward - (0.0 if overlap else profile.copy_out_s * compute_scale)
     step = (profile.forward_s + profile.optimizer_s) * compute_scale + end
     return Prediction(step, backward, max(0.0, exposed), comm)
-
-
-def profile_to_dict(profile: Profile) -> dict[str, Any]:
-    """JSON-ready form of a profile."""
-    return asdict(profile)
 
 
 def _measure(args: argparse.Namespace) -> tuple[Profile, Network | None, dict, int]:
@@ -243,7 +207,8 @@ def plot_report(report: dict[str, Any], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point (``python -m mini_ddp cost-model``); returns the exit status."""
     p = argparse.ArgumentParser(prog="mini_ddp cost-model", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="resnet18", help="a mini_ddp.tools.bench_models model")
+    p.add_argument("--model", default="resnet18", choices=sorted(BENCH_BATCH),
+                   help="a benchmark model of the zoo (mini_ddp.training.models)")
     p.add_argument("--steps", type=int, default=5, help="profiled / validated steps")
     p.add_argument("--world-sizes", default="2,3,4", help="measure here and compare ('' none)")
     p.add_argument("--predict-sizes", default="2,4,8,16,32,64,128,256,512,1024")

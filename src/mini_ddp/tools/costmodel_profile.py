@@ -17,7 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mini_ddp.tools.costmodel import Network, Profile, profile_to_dict
+from mini_ddp.tools.bench_models import BENCH_BATCH, build_engine
+from mini_ddp.tools.costmodel_inputs import Network, Profile, profile_to_dict
+from mini_ddp.tools.report import time_blocks
+from mini_ddp.training.models import ZOO, compute_loss
 from mini_ddp.training.spawn import RankContext, run_ranks
 from mini_ddp.transport.collectives.cost import fit_alpha_beta
 
@@ -34,12 +37,10 @@ class _Recorder:
 
 
 def _one_step(engine: Any, batch: Any, rec: _Recorder) -> dict[str, Any]:
-    from mini_ddp.tools.bench_models import loss_fn
-
     rec.events.clear()
     engine.opt.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    loss = loss_fn(engine.model(batch[0]), batch[1])
+    loss = compute_loss(engine.loss, engine.model(batch[0]), batch[1])
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
@@ -53,14 +54,12 @@ def _one_step(engine: Any, batch: Any, rec: _Recorder) -> dict[str, Any]:
 
 
 def measure_profile(model: str, steps: int = 5, warmup: int = 3) -> Profile:
-    """Profile ``model`` (a :data:`mini_ddp.tools.bench_models.BENCH_MODELS` key) on a world-size-1
+    """Profile ``model`` (a :data:`mini_ddp.tools.bench_models.BENCH_BATCH` key) on a world-size-1
     process group that must already exist: medians over ``steps`` steps."""
-    from mini_ddp.tools.bench_models import BENCH_MODELS, build_engine
-
-    spec = BENCH_MODELS[model]
+    spec = ZOO[model]
     torch.manual_seed(0)
-    engine = build_engine("mini_ddp", spec.factory(), None, False)
-    batch = spec.make_batch(spec.batch, torch.Generator().manual_seed(0))
+    engine = build_engine("mini_ddp", spec.builder(), None, False, spec.loss)
+    batch = spec.make_batch(BENCH_BATCH[model], torch.Generator().manual_seed(0))
     rec = _Recorder()
     for _ in range(warmup):  # the bucket rebuild happens before forward 2
         engine.step(batch)
@@ -103,16 +102,13 @@ def _sweep_rank(ctx: RankContext, sizes: list[int], iters: int) -> list[float]:
 
 def steps_rank(ctx: RankContext, model: str, steps: int) -> dict[str, float]:
     """Median step time of mini_ddp, torch DDP and compute only, alternating step by step."""
-    from mini_ddp.tools.bench import _time_blocks
-    from mini_ddp.tools.bench_models import BENCH_MODELS, build_engine
-
-    spec = BENCH_MODELS[model]
+    spec = ZOO[model]
     torch.manual_seed(0)
-    base = spec.factory()
-    batches = [spec.make_batch(spec.batch, torch.Generator().manual_seed(ctx.rank))]
-    engines = {n: build_engine(n, base, None, False) for n in ("mini_ddp", "torch_ddp",
-                                                                 "compute")}
-    blocks = _time_blocks(engines, batches, steps=1, blocks=steps, warmup=3)
+    base = spec.builder()
+    batches = [spec.make_batch(BENCH_BATCH[model], torch.Generator().manual_seed(ctx.rank))]
+    engines = {n: build_engine(n, base, None, False, spec.loss)
+               for n in ("mini_ddp", "torch_ddp", "compute")}
+    blocks = time_blocks(engines, batches, steps=1, blocks=steps, warmup=3)
     return {n: statistics.median(v["wall"]) for n, v in blocks.items()}
 
 

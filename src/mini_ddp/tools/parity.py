@@ -2,11 +2,13 @@
 
 Every rank builds one model, wraps one copy in ``torch.nn.parallel.DistributedDataParallel`` and
 an identical copy in :class:`mini_ddp.DataParallelModel`, and feeds both the same per-rank batch
-(random images/labels seeded by (seed, step, rank)). After each backward it compares every
+(drawn for the model's input shape, dtype and loss, seeded by (seed, step, rank), or made by
+the user's ``--batch-fn module:fn``). After each backward it compares every
 gradient, after each optimizer step every parameter and buffer, and reports per step whether
 they are bitwise equal, the largest absolute difference and the largest distance in ULPs
-(units in the last place, measured on the integer views of the floats). The first divergence
-names the step, the tensor, its bucket in our engine and the rank.
+(units in the last place, measured on the integer views of the floats); a gradient that is
+``None`` in one engine and a tensor in the other is a difference, ``None`` in both is equal.
+The first divergence names the step, the tensor, its bucket in our engine and the rank.
 
 ``--reference local`` instead compares with one plain model trained on the global batch (all
 ranks' batches concatenated), within torch's own default test tolerances
@@ -14,6 +16,9 @@ ranks' batches concatenated), within torch's own default test tolerances
 
 Run it as ``python -m mini_ddp parity --model resnet18 --world-size 3`` (ranks are forked with
 :func:`mini_ddp.run_ranks`), or under ``torchrun`` (it then uses the launched process group).
+Your own model: ``--model pkg.mod:MyNet --input-shape 4,16 --loss mse --num-classes 8``, or
+``--batch-fn pkg.mod:make_batch`` (called as ``make_batch(rank, step)``, returning
+``(inputs, target)``; the same on every call with the same arguments).
 """
 
 from __future__ import annotations
@@ -21,73 +26,30 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import functools
-import importlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mini_ddp.engine.hooks import GradBucket
 from mini_ddp.engine.model import DataParallelModel
-from mini_ddp.tools.parity_report import DDP_KEYWORDS, ParityReport, TensorDiff, compare_tensors
-from mini_ddp.training.models import Seed002CNN, resnet18_cifar
+from mini_ddp.tools.model_args import (
+    add_model_arguments,
+    build_spec,
+    model_overrides,
+    spec_from_args,
+)
+from mini_ddp.tools.parity_options import DDP_KEYWORDS, ParityOptions
+from mini_ddp.tools.parity_report import ParityReport, TensorDiff, compare_tensors
+from mini_ddp.training.models import ModelSpec, compute_loss, resolve_model
 from mini_ddp.training.spawn import RankContext, run_ranks
 
-
-def _mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 10))
-
-
-BUILTINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
-    "mlp": (_mlp, (32,)), "lenet": (Seed002CNN, (3, 32, 32)),
-    "resnet18": (resnet18_cifar, (3, 32, 32))}
-
-
-def resolve_model(spec: str) -> Callable[[], nn.Module]:
-    """A built-in name, or ``module:attr`` (``torchvision:resnet18``, ``pkg.mod:factory``)."""
-    if spec in BUILTINS:
-        return BUILTINS[spec][0]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not attr:
-        raise ValueError(f"unknown model {spec!r}: use one of {sorted(BUILTINS)} or module:attr")
-    module = importlib.import_module(module_name)
-    try:
-        return functools.reduce(getattr, attr.split("."), module)
-    except AttributeError:
-        # torchvision:resnet18 — model builders live in the package's ``models`` submodule.
-        return functools.reduce(getattr, attr.split("."),
-                                importlib.import_module(f"{module_name}.models"))
-
-
-@dataclass
-class ParityOptions:
-    """One parity run: the model, the training loop and the DDP keywords under test."""
-
-    model: str = "mlp"
-    world_size: int = 3
-    steps: int = 5
-    batch_size: int = 2
-    optimizer: str = "sgd"          # sgd | sgd-momentum | adam
-    lr: float | None = None         # default: 0.05 for SGD, 1e-3 for Adam
-    seed: int = 0
-    input_shape: tuple[int, ...] | None = None  # default: the built-in's, else 3x32x32
-    reference: str = "ddp"          # ddp (bitwise) | local (single process, tolerances)
-    inject_bug: str | None = None   # test-only: "divide-after"
-    bucket_cap_mb: float | None = None
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    broadcast_buffers: bool = True
-    timeout_s: float = 600.0
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def _divide_after_hook(group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
@@ -97,12 +59,20 @@ def _divide_after_hook(group: dist.ProcessGroup, bucket: GradBucket) -> torch.fu
     return fut.then(lambda f: f.value()[0].div_(world))
 
 
-def make_batch(opts: ParityOptions, shape: Sequence[int], step: int, rank: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def model_spec_of(opts: ParityOptions) -> ModelSpec:
+    """The zoo spec (or ``module:attr`` model) of ``opts``, with its input/loss overrides."""
+    return build_spec(opts.model, {"input_shape": opts.input_shape,
+                                   "input_dtype": opts.input_dtype, "loss": opts.loss,
+                                   "num_classes": opts.num_classes})
+
+
+def make_batch(opts: ParityOptions, spec: ModelSpec, step: int, rank: int) -> Batch:
     """Rank ``rank``'s batch at ``step``: the same on every process that asks for it."""
+    if opts.batch_fn:
+        x, y = resolve_model(opts.batch_fn)(rank, step)
+        return x, y
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step * 1_009 + rank)
-    x = torch.randn(opts.batch_size, *shape, generator=gen)
-    return x, torch.randint(0, 10, (opts.batch_size,), generator=gen)
+    return spec.make_batch(opts.batch_size, gen)
 
 
 def _optimizer(opts: ParityOptions, params: object) -> torch.optim.Optimizer:
@@ -112,21 +82,24 @@ def _optimizer(opts: ParityOptions, params: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=opts.lr or 0.05, momentum=momentum)
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                y: torch.Tensor) -> None:
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, loss: str) -> None:
     opt.zero_grad()
-    out = model(x)
+    out = model(batch[0])
+    # torchvision's inception/googlenet return named tuples or dicts: train on the main output
     out = out if isinstance(out, torch.Tensor) else next(iter(out.values() if isinstance(
         out, dict) else out))
-    F.cross_entropy(out, y).backward()
+    compute_loss(loss, out, batch[1]).backward()
+
+
+def _cat(batches: list[Batch]) -> Batch:
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
 
 
 def _rank_main(ctx: RankContext, opts: ParityOptions) -> list[TensorDiff]:
     """Body of one rank: train both engines side by side and return every comparison."""
-    factory = resolve_model(opts.model)
-    shape = opts.input_shape or BUILTINS.get(opts.model, (None, (3, 32, 32)))[1]
+    spec = model_spec_of(opts)
     torch.manual_seed(opts.seed)
-    base = factory()
+    base = spec.builder()
     kwargs = {f: getattr(opts, f) for f in DDP_KEYWORDS}
     if opts.broadcast_buffers:
         del kwargs["broadcast_buffers"]  # passing it at all draws DDP's deprecation warning
@@ -149,21 +122,27 @@ def _rank_main(ctx: RankContext, opts: ParityOptions) -> list[TensorDiff]:
     index = {n: i for i, n in enumerate(ours.reducer.names)}
     diffs: list[TensorDiff] = []
 
+    other = "torch DDP" if opts.reference == "ddp" else "the local reference"
+
     def record(step: int, phase: str, pairs: object) -> None:
         for (name, mine), (_, theirs) in pairs:
             bucket = ours.reducer.locator[index[name]][0] if name in index else None
+            # A parameter no forward used has no gradient (None): compare presence first.
+            present = mine if mine is not None else theirs
+            missing = "" if (mine is None) == (theirs is None) else (
+                "mini_ddp" if mine is None else other)
             diffs.append(TensorDiff(step, phase, name, ctx.rank, bucket,
-                                    *compare_tensors(mine, theirs), mine.numel()))
+                                    *compare_tensors(mine, theirs),
+                                    present.numel() if present is not None else 0, missing))
 
     for step in range(1, opts.steps + 1):
-        x, y = make_batch(opts, shape, step, ctx.rank)
+        batch = make_batch(opts, spec, step, ctx.rank)
         if opts.reference == "local":
-            batches = [make_batch(opts, shape, step, r) for r in range(ctx.world_size)]
-            _train_step(ref, opt_ref, torch.cat([b[0] for b in batches]),
-                        torch.cat([b[1] for b in batches]))
+            _train_step(ref, opt_ref, _cat([make_batch(opts, spec, step, r)
+                                            for r in range(ctx.world_size)]), spec.loss)
         else:
-            _train_step(ref, opt_ref, x, y)
-        _train_step(ours, opt_ours, x, y)
+            _train_step(ref, opt_ref, batch, spec.loss)
+        _train_step(ours, opt_ours, batch, spec.loss)
         mine_p, ref_p = list(ours.module.named_parameters()), list(ref_module.named_parameters())
         record(step, "grad", zip([(n, p.grad) for n, p in mine_p],
                                  [(n, p.grad) for n, p in ref_p], strict=True))
@@ -200,15 +179,18 @@ def run_parity(opts: ParityOptions) -> ParityReport:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m mini_ddp parity``: print the table; exit 1 on a mismatch."""
-    p = argparse.ArgumentParser(prog="mini_ddp parity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="mlp", help=f"{', '.join(BUILTINS)} or module:attr")
+    p = argparse.ArgumentParser(prog="python -m mini_ddp parity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p, default="mlp")
+    p.add_argument("--batch-fn", default=None, metavar="MODULE:FN",
+                   help="your batches: FN(rank, step) -> (inputs, target), instead of random "
+                        "ones drawn for --input-shape/--input-dtype/--loss")
     p.add_argument("--world-size", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=2, help="per rank")
     p.add_argument("--optimizer", choices=("sgd", "sgd-momentum", "adam"), default="sgd")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--input-shape", default=None, help="per-sample shape, e.g. 3,32,32")
     p.add_argument("--reference", choices=("ddp", "local"), default="ddp")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--find-unused-parameters", action="store_true")
@@ -220,10 +202,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-lines", type=int, default=10, help="differing tensors shown per step")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     a = p.parse_args(argv)
-    shape = tuple(int(s) for s in a.input_shape.split(",")) if a.input_shape else None
+    spec_from_args(p, a)  # a mistyped model is a usage error here, not a traceback in a rank
+    if a.batch_fn:
+        try:
+            resolve_model(a.batch_fn)
+        except (ValueError, ImportError, AttributeError) as e:
+            p.error(f"--batch-fn {a.batch_fn}: {e}")
     opts = ParityOptions(
         model=a.model, world_size=a.world_size, steps=a.steps, batch_size=a.batch_size,
-        optimizer=a.optimizer, lr=a.lr, seed=a.seed, input_shape=shape, reference=a.reference,
+        optimizer=a.optimizer, lr=a.lr, seed=a.seed, reference=a.reference,
+        **model_overrides(a), batch_fn=a.batch_fn,
         inject_bug=a.inject_bug, bucket_cap_mb=a.bucket_cap_mb,
         find_unused_parameters=a.find_unused_parameters,
         gradient_as_bucket_view=a.gradient_as_bucket_view, static_graph=a.static_graph,

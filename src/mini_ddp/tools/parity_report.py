@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.testing._comparison import default_tolerances
 
-if TYPE_CHECKING:
-    from mini_ddp.tools.parity import ParityOptions
+from mini_ddp.tools.parity_options import DDP_KEYWORDS, ParityOptions
 
 PHASES = ("grad", "param", "buffer")  # compared after backward, after step, after step
-DDP_KEYWORDS = ("bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view",
-                "static_graph", "broadcast_buffers")
 
 
 @dataclass
@@ -39,6 +35,7 @@ class TensorDiff:
     max_ulp: int
     n_diff: int
     numel: int
+    missing: str = ""  # which engine has None where the other has a tensor ("" if neither)
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -140,8 +137,13 @@ class ParityReport:
                 if k == max_lines:
                     lines.append(f"        … {len(groups) - max_lines} more tensors differ")
                     break
-                lines.append(f"        {phase:<6} {name:<28} bucket {g[0].bucket} ranks "
-                             f"{[d.rank for d in g]}: {g[0].n_diff}/{g[0].numel} elements "
+                where = f"        {phase:<6} {name:<28} bucket {g[0].bucket} ranks " \
+                    f"{[d.rank for d in g]}: "
+                if g[0].missing:
+                    lines.append(where + f"None in {g[0].missing}, a tensor of "
+                                 f"{g[0].numel} elements in the other")
+                    continue
+                lines.append(where + f"{g[0].n_diff}/{g[0].numel} elements "
                              f"differ, max|diff| {max(d.max_abs for d in g):.3g}, "
                              f"max ULP {max(d.max_ulp for d in g)}")
         first = self.first_divergence
@@ -150,7 +152,9 @@ class ParityReport:
             lines.append(f"RESULT: OK — all {steps} {what} ({len(self.diffs)} tensor "
                          f"comparisons over {o.world_size} ranks)")
         else:
+            what = (f"None in {first.missing}, a tensor in the other" if first.missing
+                    else f"max|diff| {first.max_abs:.3g}, max ULP {first.max_ulp}")
             lines.append(f"RESULT: MISMATCH — first divergence at step {first.step}, {first.phase}"
                          f" of '{first.name}' (mini_ddp bucket {first.bucket}), rank {first.rank}:"
-                         f" max|diff| {first.max_abs:.3g}, max ULP {first.max_ulp}")
+                         f" {what}")
         return "\n".join(lines)

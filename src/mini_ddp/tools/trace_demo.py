@@ -16,28 +16,28 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from mini_ddp.observe.explain import demo_model, explain
+from mini_ddp.observe.explain import explain
+from mini_ddp.tools.model_args import add_model_arguments, build_spec, spec_from_args
+from mini_ddp.training.models import compute_loss
 from mini_ddp.training.spawn import RankContext, run_ranks
 
 
 def _setup(ctx: RankContext, opts: dict) -> tuple[Any, Any, list]:
     from mini_ddp.engine.model import DataParallelModel
 
+    spec = build_spec(opts["model"], opts["spec"])
     torch.manual_seed(0)
-    module, shape = demo_model(opts["model"])
-    model = DataParallelModel(module, bucket_cap_mb=opts["bucket_cap_mb"])
+    model = DataParallelModel(spec.builder(), bucket_cap_mb=opts["bucket_cap_mb"])
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + ctx.rank)  # each rank its own shard of data
-    batches = [(torch.randn(opts["batch_size"], *shape, generator=gen),
-                torch.randint(0, 10, (opts["batch_size"],), generator=gen)) for _ in range(4)]
+    batches = [(*spec.make_batch(opts["batch_size"], gen), spec.loss) for _ in range(4)]
     return model, opt, batches
 
 
 def _step(model: Any, opt: Any, batch: tuple, rec: Any = None) -> None:
-    x, y = batch
-    F.cross_entropy(model(x), y).backward()
+    x, y, loss = batch
+    compute_loss(loss, model(x), y).backward()
     if rec is None:
         opt.step()
     else:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mini_ddp trace", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--model", choices=["lenet", "resnet18", "mixed"], default="lenet")
+    add_model_arguments(parser, default="lenet")
     parser.add_argument("--bucket-cap-mb", type=_cap, default=0.01,
                         help="MiB; small by default, so that a tiny model has several "
                              "buckets; 'ddp' for DDP's defaults (25 MiB, first bucket 1 MiB)")
@@ -122,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead", action="store_true", help="benchmark the tools' cost")
     parser.add_argument("--rounds", type=int, default=5, help="--overhead: rounds per mode")
     args = parser.parse_args(argv)
-    opts = vars(args)
+    spec = spec_from_args(parser, args)  # a mistyped model: a usage error, before any rank
+    # What the ranks rebuild the spec from: plain values (a zoo builder may be a lambda).
+    opts = {**vars(args), "spec": {"input_shape": spec.input_shape,
+                                   "input_dtype": spec.input_dtype, "loss": spec.loss,
+                                   "num_classes": spec.num_classes}}
     if args.overhead:
         medians = run_ranks(_overhead_rank, args.world_size, args=(opts,), timeout_s=1200)
         print(f"median per step, {args.model}, batch {args.batch_size}, world size "
