@@ -23,10 +23,18 @@ from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils import _pytree as pytree
 
+from mini_ddp.engine import construction, pickling
 from mini_ddp.engine import join as joining
 from mini_ddp.engine.comm import dist_broadcast_coalesced, verify_params_across_ranks
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.hooks import CommHook, check_comm_hook, hook_name, prepare_comm_hook
+from mini_ddp.engine.hooks import (
+    CommHook,
+    builtin_comm_hook,
+    check_comm_hook,
+    hook_name,
+    prepare_comm_hook,
+)
+from mini_ddp.engine.logging_data import RuntimeLog, logging_data
 from mini_ddp.engine.reducer import Reducer
 from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.errors import naming_collective
@@ -34,14 +42,16 @@ from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 logger = logging.getLogger("mini_ddp")
 
-# DDP keywords we do not implement: refusing them loudly beats ignoring them silently.
+# DDP keywords we do not implement (each needs reducer support): refusing them loudly beats
+# ignoring them silently.
 _UNSUPPORTED = {
-    "device_mesh": "pass process_group=mesh.get_group() instead",
     "mixed_precision": "cast the module yourself, or use torch DDP for this feature",
     "delay_all_reduce_named_params": "not implemented in mini_ddp",
     "param_to_hook_all_reduce": "not implemented in mini_ddp",
-    "bucket_cap_mb_list": "use bucket_cap_mb (one cap for all buckets)",
 }
+TWO_HOOKS = "register_comm_hook or register_builtin_comm_hook can only be called once."
+STATIC_GRAPH_LATE = ("set_static_graph() should be called before training loop starts and "
+                     "after DistributedDataParallel is constructed.")
 
 
 class DataParallelModel(nn.Module, Joinable):
@@ -54,7 +64,9 @@ class DataParallelModel(nn.Module, Joinable):
 
     mini_ddp additions (keyword-only): ``sync_timeout_s`` — the bound on waiting for one
     bucket's collective at the end of backward, and for the buffer broadcast before forward
-    (see :class:`DataParallelConfig` and docs/reliability.md); ``zero_copy_write_back`` —
+    (default: the process group's timeout; see :class:`DataParallelConfig` and
+    docs/reliability.md); ``stall_warning_s`` — after this long (60 s) waiting for a bucket,
+    log a warning naming the ranks that have not reached it (None: off); ``zero_copy_write_back`` —
     ``.grad`` becomes a view of its bucket after the all-reduce instead of a copy of it (same
     bits, one gradient-sized copy less per step; docs/performance.md);
     ``shared_memory_allreduce`` / ``shared_memory_min_bytes`` — two CPU ranks on one machine sum
@@ -84,10 +96,12 @@ class DataParallelModel(nn.Module, Joinable):
                 "Call torch.distributed.init_process_group(backend='gloo' (CPU) or 'nccl' "
                 "(GPU), ...) in every process before wrapping the model — torchrun sets the "
                 "environment for init_method='env://'; see docs/launching.md.")
-        given = {"device_mesh": device_mesh, "mixed_precision": mixed_precision,
+        self._runtime_log = RuntimeLog()
+        construction.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
+        self.process_group = construction.resolve_process_group(process_group, device_mesh)
+        given = {"mixed_precision": mixed_precision,
                  "delay_all_reduce_named_params": delay_all_reduce_named_params,
-                 "param_to_hook_all_reduce": param_to_hook_all_reduce,
-                 "bucket_cap_mb_list": bucket_cap_mb_list}
+                 "param_to_hook_all_reduce": param_to_hook_all_reduce}
         for name, value in given.items():
             if value is not None:
                 raise NotImplementedError(f"mini_ddp: DataParallelModel does not support "
@@ -105,22 +119,23 @@ class DataParallelModel(nn.Module, Joinable):
                                       "process; inputs are not scattered)")
 
         self.module = module
-        self.process_group = process_group or dist.group.WORLD
         self.dim = dim
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        named = self._params_for_reducer(module)
-        self._check_params(module, named)
+        construction.check_params(module, self.parameters_to_ignore)
+        self.device_ids, self.output_device = construction.check_device_ids(
+            module, self.parameters_to_ignore, device_ids, output_device)
+        named = construction.params_for_reducer(module, self.parameters_to_ignore)
         self.device = named[0][1].device
         self.device_type = self.device.type
-        self.device_ids, self.output_device = self._check_device_ids(
-            device_ids, output_device, {p.device for _, p in named})
+        construction.check_sync_batchnorm(module, self.device_type)
 
         if forward_sync_buffers is not None:
             sync_fwd, init_bufs = forward_sync_buffers, True
         else:
             sync_fwd = init_bufs = True if broadcast_buffers is None else broadcast_buffers
         self.config = DataParallelConfig(
-            bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list,
+            find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             init_sync=init_sync, init_sync_buffers=init_bufs, forward_sync_buffers=sync_fwd,
             sync_timeout_s=sync_timeout_s, stall_warning_s=stall_warning_s,
@@ -141,70 +156,34 @@ class DataParallelModel(nn.Module, Joinable):
             self.transport = SharedMemoryAllreduce.create(self.process_group)
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)
+        self._attach_reducer(named)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+
+    def _attach_reducer(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """A fresh reducer (and what watches it) over ``named``: at construction, after
+        unpickling, and when ``_set_static_graph`` changes how it must work."""
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
                                self.process_group, self.config, self.transport)
         self.stall_monitor = None if self.config.stall_warning_s is None else StallMonitor(
             self.reducer, self.process_group, self.config.stall_warning_s).install()
-        self.require_backward_grad_sync = True
-        self.require_forward_param_sync = True
         self._delay_all_reduce_enqueued = False
         self._comm_hook_registered = False
+        self._comm_hook_name: str | None = None
+
+    # ---- pickling (deepcopy, torch.save of the whole model): see mini_ddp.engine.pickling --
+    def __getstate__(self) -> dict[str, Any]:
+        pickling.check_default_group(self.process_group)
+        return pickling.state_to_pickle(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.process_group = pickling.default_group_for_unpickle()
+        super().__setstate__(state)
+        self.transport = None  # a copy sums through Gloo (same bits): no second shm channel
+        self._attach_reducer(construction.params_for_reducer(self.module,
+                                                             self.parameters_to_ignore))
 
     # ---- construction helpers ------------------------------------------------------------
-    def _params_for_reducer(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """DDP's parameter order: modules in ``named_modules()`` order, each module's own
-        parameters that require grad, shared parameters kept at their first occurrence."""
-        seen: set[int] = set()
-        named = []
-        for module_name, sub in module.named_modules():
-            for param_name, param in sub.named_parameters(recurse=False):
-                name = f"{module_name}.{param_name}" if module_name else param_name
-                if not param.requires_grad or name in self.parameters_to_ignore \
-                        or id(param) in seen:
-                    continue
-                seen.add(id(param))
-                if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-                    raise NotImplementedError(f"mini_ddp: sparse gradients are not supported "
-                                              f"(module '{module_name}' has sparse=True)")
-                named.append((name, param))
-        return named
-
-    @staticmethod
-    def _check_params(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
-        if not named:
-            raise RuntimeError("mini_ddp: DataParallelModel is not needed when a module has no "
-                               "parameter that requires a gradient "
-                               f"({type(module).__name__} has none).")
-        for name, param in named:
-            if isinstance(param, nn.parameter.UninitializedParameter):
-                raise RuntimeError(f"mini_ddp: parameter '{name}' is uninitialized (a lazy "
-                                   "module): run one dummy forward before wrapping the model.")
-            if param.device.type == "meta":
-                raise RuntimeError(f"mini_ddp: parameter '{name}' is on the meta device: "
-                                   "materialise the model (e.g. to_empty + init) first.")
-        device_types = {p.device.type for _, p in named}
-        if len(device_types) != 1:
-            where = {t: next(n for n, p in named if p.device.type == t) for t in device_types}
-            raise ValueError(f"mini_ddp: all parameters must be on one device type, found "
-                             f"{sorted(device_types)} (e.g. {where})")
-
-    @staticmethod
-    def _check_device_ids(device_ids: Any, output_device: Any, devices: set[torch.device]
-                          ) -> tuple[list[int] | None, int | None]:
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError("mini_ddp: device_ids can only be None or contain a single "
-                             "element (one device per process).")
-        single_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu"
-        if not device_ids or not single_gpu:
-            if device_ids or output_device is not None:
-                raise ValueError(f"mini_ddp: device_ids and output_device only apply to "
-                                 f"single-device GPU modules; parameters are on {devices}")
-            return None, None
-        ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
-        out = ids[0] if output_device is None else torch.device(output_device).index \
-            if not isinstance(output_device, int) else output_device
-        return ids, out
-
     def broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None:
         """Broadcast parameters (and buffers) from group rank ``src`` (start-up, join's end)."""
         states = [p for n, p in self.module.named_parameters() if n not in
@@ -225,6 +204,7 @@ class DataParallelModel(nn.Module, Joinable):
             trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
+            self._runtime_log.forward_started(self.reducer.num_iterations)
             self.reducer.prepare_for_forward()
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
         if grad_enabled and self.reducer.rebuild_buckets_if_needed():
@@ -251,6 +231,7 @@ class DataParallelModel(nn.Module, Joinable):
         if (self.find_unused_parameters and not self.static_graph) or (
                 self.static_graph and not self._delay_all_reduce_enqueued):
             output = self._through_sink(output)
+        self._runtime_log.forward_finished()
         if trace is not None:
             trace.record("forward_end")
         return output
@@ -343,16 +324,73 @@ class DataParallelModel(nn.Module, Joinable):
         :func:`mini_ddp.engine.hooks.gloo_safe` (each bucket finishes before the next starts): as
         they are, they deadlock there, in torch DDP too. See docs/comm_hooks.md.
         """
-        check_comm_hook(hook)
+        try:
+            check_comm_hook(hook)
+        except (TypeError, ValueError) as err:
+            self._runtime_log.record_error(err)
+            raise
+        self._install_comm_hook(state, hook, hook_name(hook))
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``,
+        ``FP16_COMPRESS``), run as the equivalent Python hooks of torch's ``default_hooks``
+        (same operations, same bits; see :func:`mini_ddp.engine.hooks.builtin_comm_hook`)."""
+        self._install_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type),
+                                str(comm_hook_type))
+
+    def _install_comm_hook(self, state: object, hook: CommHook, name: str) -> None:
         if self._comm_hook_registered:
-            raise RuntimeError(
-                f"mini_ddp: register_comm_hook can only be called once: {hook_name(hook)} "
-                f"cannot replace {hook_name(self.reducer.comm_hook)}, registered before (torch "
-                "DDP refuses a second hook the same way).")
+            err = RuntimeError(f"{TWO_HOOKS} (mini_ddp: {name} cannot replace "
+                               f"{self._comm_hook_name}, registered before)")
+            self._runtime_log.record_error(err)
+            raise err
         self._comm_hook_registered = True
+        self._comm_hook_name = name
         self.reducer.comm_hook = prepare_comm_hook(hook, state, self.process_group, self.device,
                                                    self.config.sync_timeout_s)
         self.reducer.comm_hook_state = state
+
+    # ---- torch DDP's semi-private API (used by real code and torch's own tests) -----------
+    def _set_static_graph(self) -> None:
+        """Switch to ``static_graph=True`` after construction, before the first forward."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        if self.reducer.num_iterations != 0:
+            err = RuntimeError(f"{STATIC_GRAPH_LATE} (mini_ddp: {self.reducer.num_iterations} "
+                               "iterations have run)")
+            self._runtime_log.record_error(err)
+            raise err
+        self.static_graph = self.config.static_graph = True
+        # Nothing has run yet: a fresh reducer takes the static-graph rules from the start
+        # (first-iteration layout, no zero-copy write-back), keeping a registered hook.
+        hook, state, name = self.reducer.comm_hook, self.reducer.comm_hook_state, \
+            self._comm_hook_name
+        self._attach_reducer(list(zip(self.reducer.names, self.reducer.params, strict=True)))
+        if hook is not None:
+            self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
+            self._comm_hook_registered, self._comm_hook_name = True, name
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do "
+                "not need to set find_unused_parameters=true, just be sure these unused "
+                "parameters will not change during training loop while calling "
+                "`_set_static_graph`.", stacklevel=2)
+
+    def _get_ddp_logging_data(self) -> dict[str, int | str]:
+        """torch DDP's debugging dict (same keys, meanings and types where we know them; see
+        :mod:`mini_ddp.engine.logging_data`)."""
+        return logging_data(self, self._runtime_log, self._comm_hook_name)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Sample runtime statistics every ``sample_rate`` iterations after the first ten."""
+        try:
+            self._runtime_log.set_sample_rate(sample_rate)
+        except ValueError as err:
+            self._runtime_log.record_error(err)
+            raise
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]
