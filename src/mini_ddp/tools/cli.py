@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "collective-bench": ("mini_ddp.tools.collective_bench",
                          "all-reduce algorithms vs Gloo: time, algbw, busbw, alpha-beta fit"),
     "cost-model": ("mini_ddp.tools.costmodel", "predict step time for larger worlds from a profile"),
+    "architecture": ("mini_ddp.tools.architecture", "draw the layers and their imports, from the source"),
 }
 
 
