@@ -10,8 +10,10 @@ from mini_ddp import DataParallelModel, run_ranks
 from mini_ddp.observe.timeline import (
     overlap,
     overlap_summary,
+    plot_spans,
     plot_timeline,
     spans,
+    spans_from_chrome_trace,
     user_spans_to_their_step,
 )
 from mini_ddp.observe.tracing import (
@@ -124,6 +126,19 @@ def test_overlap_figure_and_png(traced, tmp_path):
                       "your spans/marks: done, optimizer_step",
                       "a bucket's all-reduce, launch to completion",
                       "hook fired (hooks row) / bucket ready (bucket rows)"]
+
+
+def test_a_saved_chrome_trace_draws_the_same_timeline(traced, tmp_path):
+    traces = [t for t, _, _ in traced]
+    back = spans_from_chrome_trace(json.loads(json.dumps(chrome_trace(traces))))
+    assert [r for r, _ in back] == [0, 1]
+    for rank_trace, (_, again) in zip(traces, back, strict=True):
+        first = sorted((s.track, s.name, s.step, s.end - s.start) for s in spans(rank_trace))
+        second = sorted((s.track, s.name, s.step, s.end - s.start) for s in again)
+        assert [k[:3] for k in first] == [k[:3] for k in second]
+        assert all(abs(a[3] - b[3]) <= 2 for a, b in zip(first, second, strict=True))  # ns
+    assert plot_spans(back, str(tmp_path / "again.png")) == plot_timeline(
+        traces, str(tmp_path / "first.png"))
 
 
 def test_a_step_in_the_timeline_ends_with_its_optimizer_step(traced):

@@ -128,6 +128,33 @@ def plot_timeline(traces: list[RankTrace], path: str, last_steps: int = 2,
     optimizer step), so the title's step range is exactly what is drawn; the legend lists
     only what was drawn. Returns the title and the legend's labels.
     """
+    return plot_spans([(t.rank, spans(t)) for t in traces], path, last_steps, title)
+
+
+def spans_from_chrome_trace(obj: dict) -> list[tuple[int, list[Span]]]:
+    """Each rank's spans back from a trace written by
+    :func:`mini_ddp.observe.tracing.write_chrome_trace`: a saved run can be drawn again."""
+    tracks: dict[tuple[int, int], str] = {}
+    for e in obj["traceEvents"]:
+        if e["ph"] == "M" and e["name"] == "thread_name":
+            label = e["args"]["name"]
+            tracks[e["pid"], e["tid"]] = ("compute" if label.startswith("compute") else "hooks"
+                                          if label == "gradient hooks" else
+                                          label.removesuffix(" communication"))
+    per_rank: dict[int, list[Span]] = defaultdict(list)
+    for e in obj["traceEvents"]:
+        if e["ph"] in ("X", "i"):
+            start = round(e["ts"] * 1000)
+            end = start + round(e.get("dur", 0) * 1000)
+            args = {k: v for k, v in e["args"].items() if k != "step"}
+            per_rank[e["pid"]].append(Span(tracks[e["pid"], e["tid"]], e["name"], start, end,
+                                           e["args"]["step"], args))
+    return sorted(per_rank.items())
+
+
+def plot_spans(per_rank: list[tuple[int, list[Span]]], path: str, last_steps: int = 2,
+               title: str = "") -> tuple[str, list[str]]:
+    """:func:`plot_timeline` from each rank's spans (e.g. :func:`spans_from_chrome_trace`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,7 +162,7 @@ def plot_timeline(traces: list[RankTrace], path: str, last_steps: int = 2,
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    per_rank = [(t.rank, user_spans_to_their_step(spans(t))) for t in traces]
+    per_rank = [(r, user_spans_to_their_step(ss)) for r, ss in per_rank]
     finished = min(max((s.step for s in ss if _engine_part(s) == "finalize"), default=0)
                    for _, ss in per_rank)
     shown = set(range(max(1, finished - last_steps + 1), finished + 1)) or {1}
@@ -176,7 +203,7 @@ def plot_timeline(traces: list[RankTrace], path: str, last_steps: int = 2,
     ax.set_yticks([-i for i in range(len(rows))], rows)
     ax.set_xlabel("time (ms), clocks aligned across ranks")
     steps = f"step {min(shown)}" if len(shown) == 1 else f"steps {min(shown)}-{max(shown)}"
-    title = title or f"gradient synchronisation on {len(traces)} ranks, {steps}"
+    title = title or f"gradient synchronisation on {len(per_rank)} ranks, {steps}"
     ax.set_title(title, fontsize=10)
     legend = [Patch(color=_ENGINE_COLOURS[p], label=_ENGINE_LABELS[p])
               for p in _ENGINE_COLOURS if p in used["engine"]]
