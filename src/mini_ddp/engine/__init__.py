@@ -4,7 +4,9 @@ Read in this order: :mod:`.model` (the ``DistributedDataParallel`` stand-in: con
 start-up broadcast, forward bookkeeping, ``no_sync``), :mod:`.reducer` (hooks, buckets counted
 down, launches in order, the one wait), :mod:`.buckets` (DDP's bucket assignment and flat
 buffers), :mod:`.hooks` (the comm-hook door), :mod:`.writeback` (results back into ``.grad``).
-Off the main path: :mod:`.graph_state` (unused parameters, rebuilds, static graph),
+The reducer's state: :mod:`.step_state`, :mod:`.graph_state` (bucket layout and rebuild),
+:mod:`.unused` (unused parameters); its steps :mod:`.copy_in` and :mod:`.bucket_wait`.
+Off the main path:
 :mod:`.join` (uneven inputs), :mod:`.comm` (start-up broadcast), :mod:`.config`,
 :mod:`.multi_device`. Imports only :mod:`mini_ddp.transport` and :mod:`mini_ddp.errors`.
 """

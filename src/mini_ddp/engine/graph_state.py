@@ -95,9 +95,15 @@ class BucketLayout:
         return ((self.config.static_graph or not self.config.find_unused_parameters)
                 and not self.has_rebuilt)
 
-    def record_ready(self, index: int) -> None:
-        """Note that parameter ``index``'s gradient is the next one to become ready."""
-        self.rebuild_order.append(index)
+    def arm(self) -> None:
+        """Before a synced backward: every bucket waits for all its gradients again."""
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.param_indices)
+            bucket.future = None
+
+    def record_ready(self, *indices: int) -> None:
+        """Note that these parameters' gradients are the next ones to become ready."""
+        self.rebuild_order.extend(indices)
 
     def record_all(self) -> None:
         """Rebuild with every parameter if nothing was recorded (a joined rank's backward:

@@ -14,11 +14,10 @@ Follow one gradient through a step:
    bits); the future is kept.
 4. When the last bucket has launched, :meth:`~Reducer.finish_grad_sync` is queued on the
    autograd engine. It runs when backward ends, waits for every bucket in
-   :meth:`~Reducer.wait` (the only place that blocks, with a deadline), and writes the results
-   back into ``param.grad`` through :mod:`mini_ddp.engine.writeback`: by default ``.grad``
-   becomes the bucket's view (:func:`~mini_ddp.engine.writeback.hand_out`), which is reclaimed
-   before the next backward writes into the bucket
-   (:func:`~mini_ddp.engine.writeback.reclaim_buffers`, at step 1).
+   :meth:`~Reducer.wait` (the only place that blocks, with a deadline:
+   :mod:`mini_ddp.engine.bucket_wait`), and writes the results back into ``param.grad``
+   (:mod:`mini_ddp.engine.writeback`): by default ``.grad`` becomes the bucket's view, reclaimed
+   before the next backward writes into the bucket (at step 1).
 
 The bookkeeping mirrors torch's C++ reducer (``reducer.cpp``) wherever it changes a value or an
 error. It lives in small named objects: the per-step counters in
@@ -43,23 +42,27 @@ from torch.autograd import Variable
 
 from mini_ddp.engine import buckets as bucketing
 from mini_ddp.engine import writeback
+from mini_ddp.engine.bucket_wait import wait_for_collective
 from mini_ddp.engine.config import DataParallelConfig
 from mini_ddp.engine.copy_in import copy_grad_in, scale_tensor
 from mini_ddp.engine.graph_state import BucketLayout
-from mini_ddp.engine.hooks import CommHook, GradBucket, launch_hook, result_tensor
+from mini_ddp.engine.hooks import (
+    CommHook,
+    GradBucket,
+    allreduce_sum_hook,
+    launch_hook,
+    result_tensor,
+)
 from mini_ddp.engine.step_state import StepState
 from mini_ddp.engine.unused import UnusedSearch
 from mini_ddp.errors import (
-    CollectiveError,
     GradSyncTimeout,
     MarkedTwiceError,
-    MiniDDPError,
     UnfinishedReductionError,
     describe_bucket,
     naming_collective,
 )
-from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmError
-from mini_ddp.transport.wait import wait_done
+from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 OnStall = Callable[[Any, "bucketing.Bucket | None", "BaseException | None"], None]
 
@@ -122,32 +125,21 @@ class Reducer:
 
     # Read-only views of the state objects, for the observers (explain, watchdog, desync).
     buckets = property(lambda self: self.layout.buckets, doc="The current buckets.")
-    locator = property(lambda self: self.layout.locator,
-                       doc="Parameter index -> (bucket index, position in the bucket).")
-    layout_history = property(lambda self: self.layout.history,
-                              doc="Every bucket layout installed, oldest first.")
-    has_rebuilt = property(lambda self: self.layout.has_rebuilt,
-                           doc="The one-time rebuild in gradient order has happened.")
-    rebuild_order = property(lambda self: self.layout.rebuild_order,
-                             doc="Gradient-ready order recorded for the rebuild.")
-    num_iterations = property(lambda self: self.step.num_iterations,
-                              doc="Synced forwards so far.")
-    next_bucket = property(lambda self: self.step.next_bucket,
-                           doc="The next bucket to launch this step.")
-    ready = property(lambda self: self.step.ready,
-                     doc="Parameters marked ready this iteration.")
+    locator = property(lambda self: self.layout.locator, doc="Param -> (bucket, position).")
+    layout_history = property(lambda self: self.layout.history, doc="Layouts, oldest first.")
+    has_rebuilt = property(lambda self: self.layout.has_rebuilt, doc="Rebuilt once already.")
+    rebuild_order = property(lambda self: self.layout.rebuild_order, doc="Recorded order.")
+    num_iterations = property(lambda self: self.step.num_iterations, doc="Synced forwards.")
+    next_bucket = property(lambda self: self.step.next_bucket, doc="Next bucket to launch.")
+    ready = property(lambda self: self.step.ready, doc="Parameters ready this iteration.")
+    require_finalize = property(lambda self: self.step.require_finalize,
+                                doc="Some gradient was marked ready and not yet finished.")
 
     def _through_transport(self, bucket: bucketing.Bucket) -> bool:
         """Is this step's all-reduce of ``bucket`` the shared-memory one (not Gloo's)?"""
         return self.use_transport and self.transport.owns(bucket.buffer)
 
     # ---- per-step state ------------------------------------------------------------------
-    def static_first_iteration(self) -> bool:
-        """A static graph's first backward (hooks count, reducing waits for its end)."""
-        # Counted in backward passes, as DDP does since 2.1: two forwards may precede one
-        # backward, and that backward is still "iteration 1".
-        return self.config.static_graph and self.step.num_backward_calls == 1
-
     def prepare_for_forward(self) -> None:
         """Count a synced forward (static graphs behave differently in iteration 1)."""
         self.step.num_iterations += 1
@@ -162,9 +154,7 @@ class Reducer:
         self.step.arm(self.config.static_graph)
         # The rebuild happens before forward, so this holds for the whole backward.
         self.step.records_order = self.layout.should_rebuild()
-        for bucket in self.buckets:
-            bucket.pending = len(bucket.param_indices)
-            bucket.future = None
+        self.layout.arm()
         if self.unused_search.dynamic:
             self.unused_search.search(self._accumulators, outputs)
 
@@ -180,14 +170,6 @@ class Reducer:
         raise UnfinishedReductionError(self.rank, [self.names[i] for i in missing], missing)
 
     # ---- 1. hook -------------------------------------------------------------------------
-    def count_backward(self) -> None:
-        """First hook of a backward: count it, and settle what its other hooks will ask."""
-        step = self.step
-        step.backward_counted = True
-        step.num_backward_calls += 1
-        step.static_first = self.static_first_iteration()
-        step.tracks_used = self.unused_search.dynamic or step.static_first
-
     def on_grad_accumulated(self, index: int) -> None:
         """The hook of parameter ``index``: autograd has written its ``.grad``."""
         step = self.step
@@ -197,7 +179,7 @@ class Reducer:
             # grad is then averaged, not left local), and a static graph's first backward is
             # counted even when its forward ran under no_sync().
             if not step.backward_counted:
-                self.count_backward()
+                step.begin_backward(self.config.static_graph, self.unused_search.dynamic)
             if step.tracks_used and self.params[index].grad is not None:
                 self.unused_search.mark_used(index)
             if step.static_first:
@@ -218,15 +200,9 @@ class Reducer:
                     writeback.reclaim_buffers(self.buckets, self.transport)
                 for unused_index in self.unused_search.unused:
                     self.mark_ready(unused_index)
-            if self.config.static_graph:
-                if step.static_hooks_left[index] == 0:
-                    raise MiniDDPError(
-                        f"mini_ddp: parameter '{self.names[index]}' received a gradient on rank "
-                        f"{self.rank} it did not receive in iteration 1, or more often: the "
-                        f"training graph changed, which static_graph=True does not allow.")
-                step.static_hooks_left[index] -= 1
-                if step.static_hooks_left[index] > 0:
-                    return  # hooks fire several times (e.g. checkpointing): wait for the last
+            if self.config.static_graph and not step.last_static_hook(index, self.names[index],
+                                                                      self.rank):
+                return  # hooks fire several times (e.g. checkpointing): wait for the last
             if step.records_order:
                 self.layout.record_ready(index)
             self.mark_ready(index)
@@ -272,15 +248,14 @@ class Reducer:
         grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.buckets))
         if self.trace is not None:
             self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
-        if self.comm_hook is None and self._through_transport(bucket):
-            with naming_collective(self.rank, lambda: self._describe(bucket)):
-                bucket.future = self.transport.all_reduce(bucket.buffer)
-        elif self.comm_hook is None:
-            with naming_collective(self.rank, lambda: self._describe(bucket)):
-                bucket.future = launch_hook(None, None, self.group, grad_bucket)
-        else:
+        if self.comm_hook is not None:  # a user hook's errors are its own: no naming
             bucket.future = launch_hook(self.comm_hook, self.comm_hook_state, self.group,
                                         grad_bucket)
+        else:
+            with naming_collective(self.rank, lambda: self._describe(bucket)):
+                bucket.future = self.transport.all_reduce(bucket.buffer) \
+                    if self._through_transport(bucket) else allreduce_sum_hook(self.group,
+                                                                                grad_bucket)
         if self.trace is not None:  # lets a recorder log when the collective really ends
             self.trace.record("launched", bucket=bucket.index, future=bucket.future)
 
@@ -309,29 +284,16 @@ class Reducer:
         """The one place that blocks: wait for ``future`` with the configured deadline.
 
         ``bucket`` (None: the used-map all-reduce) names what is waited for in a timeout, a
-        stall report and a collective's failure.
+        stall report (``on_stall``) and a collective's failure.
         """
-        slow = None if self.on_stall is None else lambda: self.on_stall(self, bucket, None)
-        if not wait_done(future, self.config.sync_timeout_s, stall_after_s=self.stall_after_s,
-                         on_slow=slow):  # on_slow reports the stall; raises, or we wait on
-            raise GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket,
-                                  self.names, len(self.buckets))
-        if self.on_stall is not None:
-            try:
-                future.wait()
-            except Exception as error:  # noqa: BLE001 - raised again by the wait below
-                self.on_stall(self, bucket, error)  # a dead peer: name it from its marks
-        # A dead peer fails the collective (Gloo notices a closed socket at once): name it.
-        with naming_collective(self.rank, lambda: self._describe(bucket)):
-            try:
-                return future.wait()
-            except MiniDDPError as err:
-                if bucket is None or not isinstance(err, (CollectiveError, ShmError)):
-                    raise
-                # The shared-memory transport's own error names a slot: name the bucket, with
-                # the backend's words (a CollectiveError of the transport keeps them as cause).
-                cause = err.__cause__ if isinstance(err, CollectiveError) else None
-                raise CollectiveError(self.rank, self._describe(bucket), cause or err) from err
+        on_stall = self.on_stall
+        return wait_for_collective(
+            future, rank=self.rank, timeout_s=self.config.sync_timeout_s,
+            describe=lambda: self._describe(bucket), names_a_bucket=bucket is not None,
+            timed_out=lambda: GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket,
+                                              self.names, len(self.buckets)),
+            on_stall=None if on_stall is None else lambda err: on_stall(self, bucket, err),
+            stall_after_s=self.stall_after_s)
 
     def _describe(self, bucket: bucketing.Bucket | None) -> str:
         what = describe_bucket(bucket, self.names, len(self.buckets))
@@ -350,27 +312,19 @@ class Reducer:
             self.step.finish()
             if self.config.static_graph and self.step.num_backward_calls > 1 \
                     and self.layout.should_rebuild():
-                self.layout.rebuild_order.extend(self.unused_search.unused)
+                self.layout.record_ready(*self.unused_search.unused)
             track_unused = self.config.static_graph or self.config.find_unused_parameters
             plain = not track_unused and not self.config.gradient_as_bucket_view
+            skip = (lambda index: self.unused_search.globally_unused(index, self.wait)) \
+                if track_unused else None
             for bucket in self.buckets:
                 value = self.wait(bucket.future, bucket)
                 result = result_tensor(value, self.comm_hook, bucket.grad_bucket)
                 if self.trace is not None:
                     self.trace.record("complete", bucket=bucket.index)
-                if plain and result is bucket.buffer:
-                    if self.zero_copy:
-                        writeback.hand_out(bucket)
-                    else:
-                        writeback.copy_out(bucket)
-                    continue
-                for param, index, view_in, view_out in zip(
-                        bucket.params, bucket.param_indices, bucket.views,
-                        bucket.views_of(result), strict=True):
-                    if track_unused and self.unused_search.globally_unused(index, self.wait):
-                        continue  # nobody used it: leave .grad untouched (None stays None)
-                    writeback.write_back(param, view_in, view_out,
-                                         self.config.gradient_as_bucket_view)
+                writeback.write_back_bucket(bucket, result, plain=plain, zero_copy=self.zero_copy,
+                                            as_bucket_view=self.config.gradient_as_bucket_view,
+                                            skip=skip)
             self.unused_search.finish(self.wait)
             if self.trace is not None:
                 self.trace.record("finalized")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mini_ddp.errors import MiniDDPError
+
 
 @dataclass
 class StepState:
@@ -19,7 +21,7 @@ class StepState:
     num_iterations: int = 0          # synced forwards so far
     num_backward_calls: int = 0      # backward passes that reached a hook (DDP's num_bwd_calls_)
     backward_counted: bool = False   # this backward is counted (reset when it finishes)
-    # Settled by the first hook of a backward (see Reducer.count_backward): what every hook
+    # Settled by the first hook of a backward (:meth:`begin_backward`): what every hook
     # of that backward asks, read instead of re-derived per parameter.
     static_first: bool = False       # a static graph's first backward: hooks only count
     tracks_used: bool = False        # hooks fill the used map
@@ -36,6 +38,30 @@ class StepState:
     def __post_init__(self) -> None:
         self.static_hook_counts = [0] * self.num_params
         self.static_hooks_left = [0] * self.num_params
+
+    def begin_backward(self, static_graph: bool, dynamic_unused: bool) -> None:
+        """First hook of a backward: count it, and settle what its other hooks will ask."""
+        self.backward_counted = True
+        self.num_backward_calls += 1
+        # Counted in backward passes, as DDP does since 2.1: two forwards may precede one
+        # backward, and that backward is still "iteration 1".
+        self.static_first = static_graph and self.num_backward_calls == 1
+        self.tracks_used = dynamic_unused or self.static_first
+
+    def last_static_hook(self, index: int, name: str, rank: int) -> bool:
+        """Static graph: count a hook of parameter ``index``; True when it is its last one.
+
+        Hooks may fire several times per parameter (e.g. activation checkpointing): the
+        gradient is final at the count iteration 1 saw. More hooks than that, or a parameter
+        iteration 1 never saw, mean the graph changed.
+        """
+        if self.static_hooks_left[index] == 0:
+            raise MiniDDPError(
+                f"mini_ddp: parameter '{name}' received a gradient on rank {rank} it did not "
+                "receive in iteration 1, or more often: the training graph changed, which "
+                "static_graph=True does not allow.")
+        self.static_hooks_left[index] -= 1
+        return self.static_hooks_left[index] == 0
 
     def arm(self, static_graph: bool) -> None:
         """Before a synced backward: expect hooks, nothing ready, nothing launched."""

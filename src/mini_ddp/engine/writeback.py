@@ -21,7 +21,7 @@ through the same calls (:func:`_calibrate`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,6 +112,25 @@ def handed_out_grads(buckets: Iterable[Bucket]) -> list[tuple[int, torch.Tensor]
             if bucket.handed_out and not held_elsewhere(bucket)
             for index, p, view in zip(bucket.param_indices, bucket.params, bucket.views,
                                       strict=True) if p.grad is view]
+
+
+def write_back_bucket(bucket: Bucket, result: torch.Tensor, *, plain: bool, zero_copy: bool,
+                      as_bucket_view: bool, skip: Callable[[int], bool] | None = None) -> None:
+    """Put a bucket's reduced ``result`` into its parameters' ``.grad``.
+
+    ``plain`` (no unused-parameter tracking, no ``gradient_as_bucket_view``) with the bucket's
+    own buffer as result: the whole bucket at once (:func:`hand_out` when ``zero_copy``, else
+    :func:`copy_out`). Otherwise one :func:`write_back` per parameter, leaving out each
+    parameter index for which ``skip`` is true (nobody used it: ``.grad`` stays as it was).
+    """
+    if plain and result is bucket.buffer:
+        (hand_out if zero_copy else copy_out)(bucket)
+        return
+    for param, index, view_in, view_out in zip(bucket.params, bucket.param_indices,
+                                               bucket.views, bucket.views_of(result),
+                                               strict=True):
+        if skip is None or not skip(index):
+            write_back(param, view_in, view_out, as_bucket_view)
 
 
 def write_back(param: torch.Tensor, view_in: torch.Tensor, view_out: torch.Tensor,

@@ -1,13 +1,13 @@
 """Sum all-reduce between the two ranks of a one-machine job through shared memory.
 
-Gloo sums over TCP even when both ranks share a host: on loopback a 76 MiB float32 all-reduce
-costs 50-70 ms of CPU per rank here (figures below). Two processes on one host can instead
-look into each other's buffers. Each rank's bucket buffer
-here lives in a ``/dev/shm`` file that the peer maps too, and an all-reduce is:
+Gloo sums over TCP even when both ranks share a host (a 76 MiB float32 all-reduce costs
+50-70 ms of CPU per rank on loopback, docs/performance.md). Here each rank's bucket buffer lives
+in a ``/dev/shm`` file the peer maps too (:mod:`mini_ddp.transport.shm_files`), and an
+all-reduce is:
 
-1. *ready*: a tiny collective on a private Gloo group. It checks that both ranks reduce the same
-   slot with the same size and dtype (:class:`ShmDesyncError` otherwise, on both ranks), and
-   it means that both buffers hold their final inputs;
+1. *ready*: a tiny collective on a private Gloo group (:mod:`mini_ddp.transport.shm_sync`). It
+   checks that both ranks reduce the same slot with the same size and dtype
+   (:class:`ShmDesyncError` otherwise, on both ranks), and means both buffers hold their inputs;
 2. rank 0 sums elements ``[0, n//2)`` and rank 1 ``[n//2, n)``: each computes
    ``mine[h] = mine[h] + peer[h]`` and writes the result into the peer's buffer as well;
 3. *done*: a second tiny collective. Afterwards both buffers hold the whole sum, and neither
@@ -15,65 +15,48 @@ here lives in a ``/dev/shm`` file that the peer maps too, and an all-reduce is:
 
 **Bitwise equal to Gloo.** At world size 2 every element of a SUM is a single IEEE addition,
 ``fl(a + b)``, and IEEE addition is commutative, so the result is the same bits whichever rank
-computes it and in whichever order (``-0.0``, infinities, overflow and subnormals included).
-The one exception is a NaN on *both* ranks at the same position: which NaN payload survives
-depends on the operand order (x86 keeps the first operand's), so its bits may differ from
-Gloo's. ``tests/test_shm.py`` compares the raw bits
-with Gloo's result.
+computes it (``-0.0``, infinities, overflow and subnormals included). The one exception is a NaN
+on *both* ranks at the same position: which payload survives depends on the operand order.
+``tests/test_shm.py`` compares the raw bits with Gloo's result.
 
-The work runs on one daemon thread per transport, in call order, so the caller (an autograd
-hook) never blocks; :meth:`SharedMemoryAllreduce.all_reduce` returns a ``torch.futures.Future``
-like ``dist.all_reduce(..., async_op=True).get_future()``. The private Gloo group is used by
-that thread only, so its two syncs can never interleave with collectives that other code issues
-on the default group from the main thread. A dead peer makes that group's next collective
-raise: Gloo notices the closed connection at once, a hung (SIGSTOPped) peer at the group's
-timeout, which is the default group's (both checked by hand: 0.02 s and 5.0 s with a 5 s
-timeout). The error is set on the future as a :class:`~mini_ddp.errors.CollectiveError`, and
-every later call fails at once too.
-
-Files are named ``/dev/shm/mini_ddp_shm_<token>_r<rank>_s<slot>``, the token drawn by rank 0
-for each transport, so two jobs or two transports never collide. Each file is unlinked before
+The work runs in call order on a :class:`~mini_ddp.transport.serial_worker.SerialWorker`, so
+the caller (an autograd hook) never blocks: :meth:`SharedMemoryAllreduce.all_reduce` returns a
+future like ``dist.all_reduce(..., async_op=True).get_future()``. Only that thread uses the
+private group, so its syncs never interleave with the main thread's collectives. A dead peer
+makes the group's next collective raise (Gloo notices a closed connection at once, a hung peer
+at the default group's timeout): a :class:`~mini_ddp.errors.CollectiveError` on the future,
+and every later call fails at once. Each file is unlinked before
 :meth:`~SharedMemoryAllreduce.allocate` returns (the mappings outlive the names), so a process
-that dies later leaves nothing behind. Space is reserved with ``posix_fallocate``: a full
-``/dev/shm`` (Docker's default is 64 MiB) makes ``allocate`` raise
-:class:`ShmAllocationError` on both ranks instead of crashing with SIGBUS on first write.
-
-Measured 2026-11-29 on a 2-core shared VM (other work running, load average 3-5; torch 2.14.1).
-A throwaway script (not in the repository) ran 2 ranks via ``run_ranks`` with one intra-op
-thread each, and timed one call at a time after a barrier: ``dist.all_reduce`` of a plain
-tensor against ``all_reduce(buf).wait()`` here. Figures are per call and per rank, the median
-of 7 calls; CPU is ``time.process_time()``, i.e. the whole process, Gloo's and the worker's
-threads included. Ranges span 4 runs (2 for 4 KiB):
-
-=====================  ============  ============  ============  ============
-float32 all-reduce     Gloo wall     Gloo CPU      shm wall      shm CPU
-=====================  ============  ============  ============  ============
-4 KiB                  0.7-0.8 ms    0.4-0.6 ms    3.8-6.7 ms    1.1-3.4 ms
-10 MiB                 12.5-18 ms    8.0-11.5 ms   5.6-8.7 ms    2.6-5.0 ms
-76 MiB                 78-124 ms     49-72 ms      20-29 ms      12-17 ms
-=====================  ============  ============  ============  ============
-
-So for large buffers this costs about a third of Gloo's wall time and a quarter of its CPU
-time. A tiny buffer is slower than Gloo: two Gloo round trips (ready, done) plus a hand-off to
-the worker thread instead of one round trip. Use it for big buckets.
+that dies later leaves nothing behind. Fast for big buffers (about a third of Gloo's wall
+time), slower than Gloo for tiny ones (two round trips and a thread hand-off).
 """
 
 from __future__ import annotations
 
-import datetime
-import mmap
-import os
-import queue
-import secrets
 import threading
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mini_ddp.errors import CollectiveError, MiniDDPError
+from mini_ddp.transport.serial_worker import SerialWorker
+from mini_ddp.transport.shm_files import (
+    FILE_PREFIX,
+    SHM_DIR,
+    ShmAllocationError,
+    ShmError,
+    map_segment,
+    segment_path,
+    unlink_quietly,
+)
+from mini_ddp.transport.shm_sync import (
+    ALL_REDUCE,
+    ALLOCATE,
+    PairSync,
+    ShmDesyncError,
+    open_pair_group,
+)
 
 __all__ = [
     "FILE_PREFIX",
@@ -85,99 +68,14 @@ __all__ = [
     "shm_supported",
 ]
 
-SHM_DIR = "/dev/shm"
-"""Where the buffers' files are created (and unlinked again at once)."""
-
-FILE_PREFIX = "mini_ddp_shm_"
-"""Every file this module creates in :data:`SHM_DIR` starts with this."""
-
 _SUPPORTED = (torch.float32, torch.float64)
 
-# A stable code per dtype for the ready check; 0 for anything not listed.
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)
-_ALLOCATE, _ALL_REDUCE = 1, 2
-_OPS = {_ALLOCATE: "allocate", _ALL_REDUCE: "all_reduce"}
-
 _CHUNK_BYTES = 1 << 20  # sum and copy back in 1 MiB pieces: the copy then reads from cache
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def shm_supported(dtype: torch.dtype) -> bool:
     """Whether :meth:`SharedMemoryAllreduce.all_reduce` can sum buffers of ``dtype``."""
     return dtype in _SUPPORTED
-
-
-class ShmError(MiniDDPError):
-    """Base class of the shared-memory transport's own errors."""
-
-
-class ShmDesyncError(ShmError):
-    """The two ranks asked the transport for different things at the same point.
-
-    ``ranks`` maps each rank to ``(operation, slot, numel, dtype)`` as that rank called it.
-    """
-
-    def __init__(self, rank: int, ranks: dict[int, tuple[str, int, int, str]]):
-        self.rank, self.ranks = rank, ranks
-        told = "; ".join(f"rank {r} called {op} on slot {slot} ({numel} elements of {dtype})"
-                         for r, (op, slot, numel, dtype) in sorted(ranks.items()))
-        super().__init__(
-            f"mini_ddp: rank {rank}: the shared-memory all-reduce is out of step: {told}. "
-            "Both ranks must allocate their buffers, and reduce them, in the same order with the "
-            "same sizes and dtypes. Nothing was summed, and this transport cannot be used any "
-            "more.")
-
-
-class ShmAllocationError(ShmError):
-    """A shared buffer could not be created or mapped on one of the ranks (both raise this).
-
-    The transport stays usable; the caller may fall back to a private buffer.
-    """
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
-
-
-def _dtype_name(code: int) -> str:
-    return str(_DTYPES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPES) else "?"
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _map(path: str, numel: int, dtype: torch.dtype, create: bool) -> torch.Tensor:
-    """A 1-D tensor over the file ``path``, mapped shared; the mapping lives as long as it.
-
-    ``create``: make the file (it must not exist yet) and reserve its space, zero-filled.
-    """
-    nbytes = numel * dtype.itemsize
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, nbytes)
-            # tmpfs allocates pages on first touch and answers a full /dev/shm with SIGBUS;
-            # reserving them now turns that into an OSError (ENOSPC) here.
-            os.posix_fallocate(fd, 0, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
-            raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")
-        mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        if create:
-            _unlink(path)  # ours (O_EXCL): nobody else will remove it
-        raise
-    finally:
-        os.close(fd)
-    # frombuffer keeps a reference to the mmap object: unmapped when the tensor's storage dies.
-    return torch.frombuffer(mapping, dtype=dtype, count=numel)
 
 
 def _sum_range(own: torch.Tensor, peer: torch.Tensor, lo: int, hi: int) -> None:
@@ -198,19 +96,6 @@ def _sum_range(own: torch.Tensor, peer: torch.Tensor, lo: int, hi: int) -> None:
         del mine, theirs
 
 
-def _default_timeout() -> datetime.timedelta | None:
-    """The default group's collective timeout (None: let torch choose)."""
-    try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        timeout = backend.options._timeout
-    except (AttributeError, RuntimeError):  # private API: degrade to torch's default
-        return None
-    return timeout if isinstance(timeout, datetime.timedelta) else None
-
-
-_Job = tuple[Callable[[], Any], torch.futures.Future]
-
-
 class SharedMemoryAllreduce:
     """Sum all-reduce between the two ranks of a one-machine job through shared memory.
 
@@ -227,7 +112,7 @@ class SharedMemoryAllreduce:
         self.rank = rank
         self.peer = 1 - rank
         self.token = token
-        self._group = side_group
+        self._sync = PairSync(side_group, rank)
         self._next_slot = 0
         self._slots: dict[int, int] = {}  # id(own buffer) -> slot
         self._own: dict[int, torch.Tensor] = {}
@@ -237,71 +122,27 @@ class SharedMemoryAllreduce:
         self._own_gen: dict[int, int] = {}
         self._peer_gen: dict[int, int] = {}
         self._unmapped: dict[int, str] = {}
-        self._failure: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()  # guards _closed against concurrent submit/close
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        # Daemon: a process that exits without close() does not wait for it.
-        self._thread = threading.Thread(target=self._work, name=f"mini_ddp-shm-{token}",
-                                        daemon=True)
-        self._thread.start()
+        # An allocation failure is agreed on both ranks and leaves the transport usable;
+        # any other failure leaves the ranks out of step, so later calls fail at once.
+        self._worker = SerialWorker(
+            f"mini_ddp-shm-{token}",
+            keeps_working=lambda err: isinstance(err, ShmAllocationError),
+            failed_error=lambda err: ShmError(
+                f"mini_ddp: rank {rank}: the shared-memory all-reduce transport failed "
+                f"earlier and cannot be used: {err}"))
 
     # ----------------------------------------------------------------------------- creation
     @classmethod
     def create(cls, group: dist.ProcessGroup | None = None) -> SharedMemoryAllreduce | None:
         """A transport for the default group, or None on every rank when it cannot work.
 
-        Collective: every rank of the default group must call it. The answer is the same on
-        all ranks: a transport only if ``group`` is None or the default group, the default
-        group is Gloo with exactly 2 ranks, and a probe shows that both see the same
-        ``/dev/shm`` (rank 0 writes a random secret to a file there, rank 1 reads it back;
-        agreed with an all-reduce MIN). The transport then makes its private Gloo group
-        (``dist.new_group``, also collective on the default group) with the default group's
-        timeout, and a per-transport random token for its file names.
+        Collective: every rank of the default group must call it, and all get the same answer
+        (:func:`~mini_ddp.transport.shm_sync.open_pair_group` says when a transport works).
         """
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        # Equal on every rank by construction, so no collective is needed to agree on these.
-        if dist.get_world_size() != 2 or dist.get_backend() != "gloo":
-            return None
-        rank = dist.get_rank()
-        wanted = group is None or group is dist.group.WORLD
-        token = secrets.token_hex(8)
-        secret = secrets.token_hex(16)
-        probe = os.path.join(SHM_DIR, f"{FILE_PREFIX}{token}_probe")
-        try:
-            created = False
-            if rank == 0:
-                try:
-                    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-                    created = True
-                    try:
-                        os.write(fd, secret.encode())
-                    finally:
-                        os.close(fd)
-                except OSError:
-                    probe = ""
-            shared: list[Any] = [token, probe, secret]
-            dist.broadcast_object_list(shared, src=0)
-            token, probe, secret = shared
-            ok = wanted and bool(probe)
-            if ok and rank == 1:
-                try:
-                    with open(probe, "rb") as f:
-                        ok = f.read() == secret.encode()
-                except OSError:
-                    ok = False
-            agreed = torch.tensor([int(ok)], dtype=torch.int64)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        finally:
-            if rank == 0 and created:
-                _unlink(probe)
-        if not agreed.item():
-            return None
-        timeout = _default_timeout()
-        side = dist.new_group(ranks=[0, 1], backend="gloo",
-                              **({"timeout": timeout} if timeout is not None else {}))
-        return cls(side, rank, token)
+        opened = open_pair_group(group)
+        return None if opened is None else cls(*opened)
 
     # ----------------------------------------------------------------------------- public API
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -322,7 +163,7 @@ class SharedMemoryAllreduce:
             raise ValueError(f"allocate: numel must be an int >= 0, got {numel!r}")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"allocate: dtype must be a torch.dtype, got {dtype!r}")
-        if threading.current_thread() is self._thread:
+        if self._worker.on_worker_thread():
             raise RuntimeError("allocate: called from the transport's worker thread (a future "
                                "callback?); it would wait for itself")
         with self._lock:
@@ -373,7 +214,7 @@ class SharedMemoryAllreduce:
         gen = self._own_gen.get(slot, 0) + 1
         path = self._path(self.rank, slot, gen)
         try:
-            fresh = _map(path, tensor.numel(), tensor.dtype, create=True)
+            fresh = map_segment(path, tensor.numel(), tensor.dtype, create=True)
         except OSError as err:
             raise ShmAllocationError(f"mini_ddp: rank {self.rank} could not create {path}: "
                                      f"{err}") from err
@@ -407,14 +248,12 @@ class SharedMemoryAllreduce:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(None)
-        if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._worker.stop(wait)
         self._slots.clear()
         self._own.clear()
         self._peer.clear()
         for path in self._unmapped.values():
-            _unlink(path)
+            unlink_quietly(path)
         self._unmapped.clear()
 
     # ----------------------------------------------------------------------------- internals
@@ -431,7 +270,7 @@ class SharedMemoryAllreduce:
         """Unlink ``slot``'s renewed file if it is still there (hold ``_lock``)."""
         path = self._unmapped.pop(slot, None)
         if path is not None:
-            _unlink(path)
+            unlink_quietly(path)
 
     def _slot_of(self, tensor: Any, what: str) -> int:
         slot = self._live_slot(tensor)
@@ -447,136 +286,36 @@ class SharedMemoryAllreduce:
         return slot
 
     def _submit(self, job: Callable[[], Any]) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put((job, fut))
-        return fut
-
-    def _work(self) -> None:
-        """The worker thread: run the jobs in order until close()."""
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, fut = item
-            del item
-            value: Any = None
-            error: BaseException | None = self._failure
-            if error is not None:
-                error = ShmError(f"mini_ddp: rank {self.rank}: the shared-memory all-reduce "
-                                 f"transport failed earlier and cannot be used: {error}")
-            else:
-                try:
-                    value = job()
-                except BaseException as err:  # noqa: BLE001 - handed to the caller's future
-                    error = err
-                    if err.__traceback__ is not None:
-                        # The frames' locals hold buffers: do not keep them alive via the error.
-                        traceback.clear_frames(err.__traceback__)
-                    if not isinstance(err, ShmAllocationError):
-                        self._failure = err
-            # Drop the job's references (the peer buffer) before the caller can wake up.
-            del job
-            if error is None:
-                fut.set_result(value)
-            else:
-                fut.set_exception(error if isinstance(error, Exception) else ShmError(str(error)))
-            del fut, value, error
-
-    def _collective(self, what: str, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
-        """A tiny all-reduce on the private group; Gloo failures become CollectiveError."""
-        try:
-            dist.all_reduce(tensor, op=op, group=self._group)
-        except RuntimeError as err:
-            raise CollectiveError(self.rank, f"the shared-memory all-reduce ({what})",
-                                  err) from err
-
-    def _ready(self, op: int, slot: int, numel: int, dtype: torch.dtype) -> int:
-        """Both ranks are at the same call: raise ShmDesyncError (on both) if they are not.
-
-        Also exchanges the slot's buffer generation (see :meth:`renew`); returns the peer's.
-        """
-        rows = torch.zeros(2, 5, dtype=torch.int64)
-        rows[self.rank] = torch.tensor([op, slot, numel, _dtype_code(dtype),
-                                        self._own_gen.get(slot, 0)])
-        self._collective(f"{_OPS[op]} of slot {slot}, ready sync", rows, dist.ReduceOp.SUM)
-        if not torch.equal(rows[0, :4], rows[1, :4]):
-            told = {r: (_OPS.get(int(row[0]), "?"), int(row[1]), int(row[2]),
-                        _dtype_name(int(row[3]))) for r, row in enumerate(rows)}
-            raise ShmDesyncError(self.rank, told)
-        return int(rows[self.peer, 4])
-
-    def _agree(self, what: str, ok: bool) -> bool:
-        """Whether ``ok`` holds on both ranks."""
-        flag = torch.tensor([int(ok)], dtype=torch.int64)
-        self._collective(what, flag, dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return self._worker.submit(job)
 
     def _path(self, rank: int, slot: int, gen: int = 0) -> str:
-        return os.path.join(SHM_DIR, f"{FILE_PREFIX}{self.token}_r{rank}_s{slot}"
-                            + (f"_g{gen}" if gen else ""))
+        return segment_path(self.token, rank, slot, gen)
 
     def _allocate(self, slot: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        self._ready(_ALLOCATE, slot, numel, dtype)
+        self._sync.ready(ALLOCATE, slot, numel, dtype, self._own_gen.get(slot, 0))
         if numel == 0:
             own, peer = torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=dtype)
         else:
-            own, peer = self._map_pair(slot, numel, dtype)
+            own, peer = self._sync.map_pair(self.token, slot, numel, dtype)
         self._slots[id(own)] = slot
         self._own[slot], self._peer[slot] = own, peer
         return [own]
 
-    def _map_pair(self, slot: int, numel: int, dtype: torch.dtype
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        mine, theirs = self._path(self.rank, slot), self._path(self.peer, slot)
-        what = f"allocate of slot {slot}"
-        created = agreed = False
-        try:
-            problem = ""
-            try:
-                own = _map(mine, numel, dtype, create=True)
-                created = True
-            except OSError as err:
-                problem = f"rank {self.rank} could not create {mine}: {err}"
-            if not self._agree(f"{what}, files created", not problem):
-                problem = problem or f"rank {self.peer} could not create its file"
-                raise ShmAllocationError(
-                    f"mini_ddp: {problem} ({numel} elements of {dtype} for slot {slot}); "
-                    f"{SHM_DIR} may be full")
-            try:
-                peer = _map(theirs, numel, dtype, create=False)
-            except OSError as err:
-                problem = f"rank {self.rank} could not map {theirs}: {err}"
-            # After this sync the peer has mapped my file (or given up): its name can go.
-            if not self._agree(f"{what}, files mapped", not problem):
-                problem = problem or f"rank {self.peer} could not map the file of rank {self.rank}"
-                raise ShmAllocationError(f"mini_ddp: {problem} (slot {slot})")
-            agreed = True
-            return own, peer
-        except ShmAllocationError:
-            agreed = True  # both ranks know: the peer removes its own file
-            raise
-        finally:
-            if created:
-                _unlink(mine)
-            if not agreed:
-                # A Gloo failure: the peer may be dead and unable to remove its own file.
-                _unlink(theirs)
-
     def _reduce(self, slot: int, own: torch.Tensor) -> list[torch.Tensor]:
         n = own.numel()
-        peer_gen = self._ready(_ALL_REDUCE, slot, n, own.dtype)
+        peer_gen = self._sync.ready(ALL_REDUCE, slot, n, own.dtype, self._own_gen.get(slot, 0))
         lo, hi = (0, n // 2) if self.rank == 0 else (n // 2, n)
         ok = False
         try:
             if peer_gen != self._peer_gen.get(slot, 0):  # the peer renewed its buffer: map it
-                self._peer[slot] = _map(self._path(self.peer, slot, peer_gen), n, own.dtype,
+                self._peer[slot] = map_segment(self._path(self.peer, slot, peer_gen), n, own.dtype,
                                         create=False)
                 self._peer_gen[slot] = peer_gen
             _sum_range(own, self._peer[slot], lo, hi)
             ok = True
         finally:
             # Join the done sync even if the sum failed, so the peer does not wait for us.
-            both = self._agree(f"all_reduce of slot {slot}, done sync", ok)
+            both = self._sync.agree(f"all_reduce of slot {slot}, done sync", ok)
             with self._lock:  # the peer mapped it before its done sync (or gave up)
                 self._drop_unmapped(slot)
         if not both:

@@ -24,9 +24,9 @@ def wait_done(future: torch._C.Future, timeout_s: float | None, *,
 
     ``timeout_s`` None waits forever. When ``on_slow`` is given with ``stall_after_s``, it is
     called once, after ``stall_after_s`` seconds without an answer; it may raise (the wait then
-    ends with its exception) or return (the wait goes on, for the full ``timeout_s`` counted
-    from the start of the slow wait, as a fresh bound). The future's value or error is not
-    read here: call ``future.wait()`` afterwards for that.
+    ends with its exception) or return, and then ``timeout_s`` counts from that moment: a
+    stall observer reports first and the deadline follows its report, whichever is shorter.
+    The future's value or error is not read here: call ``future.wait()`` afterwards for that.
     """
     if future.done():
         return True
