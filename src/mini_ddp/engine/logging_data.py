@@ -81,8 +81,9 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     params = reducer.params
     strs: dict[str, str] = {
         "backend_name": str(dist.get_backend(model.process_group)),
-        "bucket_sizes": ", ".join(str(b.buffer.numel() * b.buffer.element_size())
-                                  for b in reducer.buckets),
+        # The construction-time layout, as DDP's logger records it (never updated).
+        "bucket_sizes": ", ".join(str(_nbytes(params, indices))
+                                  for indices in reducer.layout_history[0]),
         "device_ids": "" if not model.device_ids else ", ".join(map(str, model.device_ids)),
         "dtypes": ", ".join(sorted({_C10_NAMES.get(p.dtype, str(p.dtype)) for p in params})),
         "module_name": type(model.module).__name__,
@@ -91,7 +92,8 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     if comm_hook is not None:
         strs["comm_hook"] = comm_hook
     if reducer.has_rebuilt:
-        strs["rebuilt_bucket_sizes"] = strs["bucket_sizes"]
+        strs["rebuilt_bucket_sizes"] = ", ".join(str(_nbytes(params, b.param_indices))
+                                                 for b in reducer.buckets)
         strs["rebuilt_per_bucket_param_indices"] = ", ".join(
             " ".join(map(str, b.param_indices)) for b in reducer.buckets)
     if log.error is not None:
@@ -108,7 +110,7 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
         "num_parameter_tensors": len(params),
         "output_device": -1 if model.output_device is None else model.output_device,
         "rank": reducer.rank,
-        "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+        "total_parameter_size_bytes": _nbytes(params, range(len(params))),
         "world_size": reducer.world_size,
     }
     if config.static_graph:
@@ -118,8 +120,7 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     if log.iteration > 0:
         ints["has_rebuilt_buckets"] = int(reducer.has_rebuilt)
         ints["num_buckets_reduced"] = len(reducer.buckets)
-        ints["unused_parameter_size"] = sum(
-            params[i].numel() * params[i].element_size() for i in _unused(reducer))
+        ints["unused_parameter_size"] = _nbytes(params, _unused(reducer))
         ints["forward_compute_time"] = log.forward_ns
         ints["avg_forward_compute_time"] = log.forward_total_ns // max(log.samples, 1)
     return {**strs, **ints}
@@ -129,3 +130,7 @@ def _unused(reducer: Any) -> list[int]:
     """Indices of the parameters the last backward found unused."""
     search = getattr(reducer, "unused_search", None)
     return list(search.unused if search is not None else getattr(reducer, "unused", ()))
+
+
+def _nbytes(params: Any, indices: Any) -> int:
+    return sum(params[i].numel() * params[i].element_size() for i in indices)

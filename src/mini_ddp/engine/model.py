@@ -49,7 +49,9 @@ _UNSUPPORTED = {
     "delay_all_reduce_named_params": "not implemented in mini_ddp",
     "param_to_hook_all_reduce": "not implemented in mini_ddp",
 }
+# torch's C++ reducer words it in the order of the call that comes second.
 TWO_HOOKS = "register_comm_hook or register_builtin_comm_hook can only be called once."
+TWO_HOOKS_BUILTIN = "register_builtin_comm_hook or register_comm_hook can only be called once."
 STATIC_GRAPH_LATE = ("set_static_graph() should be called before training loop starts and "
                      "after DistributedDataParallel is constructed.")
 
@@ -329,18 +331,19 @@ class DataParallelModel(nn.Module, Joinable):
         except (TypeError, ValueError) as err:
             self._runtime_log.record_error(err)
             raise
-        self._install_comm_hook(state, hook, hook_name(hook))
+        self._install_comm_hook(state, hook, hook_name(hook), TWO_HOOKS)
 
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``,
         ``FP16_COMPRESS``), run as the equivalent Python hooks of torch's ``default_hooks``
         (same operations, same bits; see :func:`mini_ddp.engine.hooks.builtin_comm_hook`)."""
         self._install_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type),
-                                str(comm_hook_type))
+                                str(comm_hook_type), TWO_HOOKS_BUILTIN)
 
-    def _install_comm_hook(self, state: object, hook: CommHook, name: str) -> None:
+    def _install_comm_hook(self, state: object, hook: CommHook, name: str, twice: str
+                           ) -> None:
         if self._comm_hook_registered:
-            err = RuntimeError(f"{TWO_HOOKS} (mini_ddp: {name} cannot replace "
+            err = RuntimeError(f"{twice} (mini_ddp: {name} cannot replace "
                                f"{self._comm_hook_name}, registered before)")
             self._runtime_log.record_error(err)
             raise err
