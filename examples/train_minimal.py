@@ -1,6 +1,8 @@
 """The whole data-parallel recipe in one file: copy this, change the model and the data.
 
-Runs as is, on CPU (Gloo) or GPU (NCCL), with data that ships inside scikit-learn:
+Runs as is on CPUs (Gloo), with data that ships inside scikit-learn; on a CUDA machine it
+takes one GPU per rank and NCCL, as torch's own recipe does (that branch is not yet verified
+on GPUs; see docs/gpus.md):
 
     python examples/train_minimal.py                                   # spawns 2 ranks itself
     torchrun --standalone --nproc-per-node=4 examples/train_minimal.py # or let torchrun start them
@@ -91,8 +93,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn without torchrun")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks to spawn without torchrun (default: one per GPU, or 2 on CPU)")
     args = parser.parse_args()
+    if args.world_size is None:
+        args.world_size = torch.cuda.device_count() if torch.cuda.is_available() else 2
     if "RANK" in os.environ:  # started by torchrun: this process is one rank
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return
