@@ -1,12 +1,12 @@
-"""``python -m mini_ddp demo`` — the main job, in three acts, on CPU, offline, in a few minutes.
+"""python -m mini_ddp demo - the main job, in three acts, on CPU, offline, in a few minutes.
 
-1. **Train.** Seed 002's LeNet-style CNN on scikit-learn's bundled handwritten digits, with
-   ``DataParallelModel`` on 2 Gloo ranks (``examples/seed002_lenet.py``, the same script a user
+1. Train: seed 002's LeNet-style CNN on scikit-learn's bundled handwritten digits, with
+   DataParallelModel on 2 Gloo ranks (examples/seed002_lenet.py, the same script a user
    runs): a progress bar, the loss going down, the test accuracy at each epoch's end.
-2. **Prove.** The same CNN trained under torch DDP and under mini_ddp side by side in the same
-   ranks on the same data, compared bit for bit after every step — at world size 3, where a
+2. Prove: the same CNN trained under torch DDP and under mini_ddp side by side in the same
+   ranks on the same data, compared bit for bit after every step - at world size 3, where a
    wrong averaging order would show (at 2 every variant happens to round the same).
-3. **Show.** A short traced run: a Chrome trace (open it in https://ui.perfetto.dev) and a PNG
+3. Show: a short traced run: a Chrome trace (open it in https://ui.perfetto.dev) and a PNG
    timeline of backward compute against each bucket's all-reduce, with the overlap figure.
 
 Exit status 0 only when training finished and parity held.

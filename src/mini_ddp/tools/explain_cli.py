@@ -15,13 +15,14 @@ import torch.distributed as dist
 from mini_ddp.engine.model import DataParallelModel
 from mini_ddp.observe.explain import __doc__ as EXPLAIN_DOC
 from mini_ddp.observe.explain import explain
+from mini_ddp.tools.helptext import plain
 from mini_ddp.tools.model_args import add_model_arguments, spec_from_args
 from mini_ddp.training.models import compute_loss
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, train the model ``--steps`` steps, print :func:`explain`."""
-    parser = argparse.ArgumentParser(prog="python -m mini_ddp explain", description=EXPLAIN_DOC,
+    parser = argparse.ArgumentParser(prog="python -m mini_ddp explain", description=plain(EXPLAIN_DOC),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, default="lenet")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,

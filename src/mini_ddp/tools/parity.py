@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mini_ddp.engine.hooks import GradBucket
 from mini_ddp.engine.model import DataParallelModel
+from mini_ddp.tools.helptext import plain
 from mini_ddp.tools.model_args import (
     add_model_arguments,
     build_spec,
@@ -179,7 +180,7 @@ def run_parity(opts: ParityOptions) -> ParityReport:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m mini_ddp parity``: print the table; exit 1 on a mismatch."""
-    p = argparse.ArgumentParser(prog="python -m mini_ddp parity", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m mini_ddp parity", description=plain(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p, default="mlp")
     p.add_argument("--batch-fn", default=None, metavar="MODULE:FN",

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mini_ddp.observe.explain import explain
+from mini_ddp.tools.helptext import plain
 from mini_ddp.tools.model_args import add_model_arguments, build_spec, spec_from_args
 from mini_ddp.training.models import compute_loss
 from mini_ddp.training.spawn import RankContext, run_ranks
@@ -109,7 +110,7 @@ def _record_cost_s(calls: int = 200_000) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a traced training (or the overhead benchmark) and write/print the results."""
-    parser = argparse.ArgumentParser(prog="python -m mini_ddp trace", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mini_ddp trace", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     add_model_arguments(parser, default="lenet")
