@@ -6,9 +6,8 @@ compares every gradient after every backward and every parameter after every SGD
 
 At two ranks every rung gives DDP's bits. At three, the naive rung does not (it sums, then
 divides; DDP multiplies by 1/3, then sums), while the overlapped rung still does.
-``test_why_the_naive_rung_differs``
-takes the naive rung apart to show which differences are responsible; docs/architecture.md
-quotes its output.
+``test_why_the_naive_rung_differs`` takes the naive rung apart to show which differences are
+responsible; docs/architecture.md quotes its output.
 """
 
 from __future__ import annotations
