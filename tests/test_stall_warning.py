@@ -40,12 +40,15 @@ def _late_rank(ctx, stall_warning_s):
     records = _capture()
     x = torch.randn(4, 4)
     for step in range(4):  # steps 1-2 settle the buckets; rank 1 is late in step 3
+        if step == 2:  # the happy path so far: the monitor has not even opened the store
+            untouched = model.stall_monitor is None or model.stall_monitor._store is None
         loss = model(x * (ctx.rank + 1)).sum()
         if step == 2 and ctx.rank == LATE_RANK:
             time.sleep(LATE_S)
         loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    return {"warnings": [(r.levelno, r.getMessage()) for r in records], "grads": grads}
+    return {"warnings": [(r.levelno, r.getMessage()) for r in records], "grads": grads,
+            "untouched": untouched}
 
 
 def test_waiting_ranks_warn_naming_the_late_rank_bucket_and_parameters_then_go_on():
@@ -60,6 +63,7 @@ def test_waiting_ranks_warn_naming_the_late_rank_bucket_and_parameters_then_go_o
         assert f"rank {LATE_RANK}: has not reached bucket 0 of step 3" in message
         assert f"ranks that reached bucket 0: [{2 - rank}]" in message  # the other waiter
     assert results[LATE_RANK]["warnings"] == []  # the late rank waited for nobody
+    assert all(r["untouched"] for r in results)
     for rank in (1, 2):  # training went on: every rank holds the same averaged gradients
         for mine, theirs in zip(results[0]["grads"], results[rank]["grads"], strict=True):
             assert torch.equal(mine, theirs)

@@ -45,7 +45,8 @@ ENGINES = ("torch_ddp", "mini_ddp", "naive", "compute")
 # Ablations, on request (--engines): mini_ddp with one of its own speed-ups switched off.
 ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False},
              "mini_ddp_gloo": {"shared_memory_allreduce": False},
-             "mini_ddp_v1": {"zero_copy_write_back": False, "shared_memory_allreduce": False}}
+             "mini_ddp_v1": {"zero_copy_write_back": False, "shared_memory_allreduce": False},
+             "mini_ddp_nostall": {"stall_warning_s": None}}
 
 
 @dataclass

@@ -1,0 +1,69 @@
+"""What the default stall warning costs per step: paired steps with it on and off.
+
+Two ranks train two copies of the same model, one wrapped with the default
+``stall_warning_s=60`` and one with ``stall_warning_s=None``; steps alternate (on, off, on,
+off, ...) so machine load hits both alike. Prints the median per-step wall and CPU time of
+each and the median of the per-pair ratios (on / off), per rank.
+
+    python scripts/stall_warning_cost.py --pairs 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mini_ddp import DataParallelModel, run_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # ~0.6 M parameters in 4 buckets of 1 MiB
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def _rank(ctx, pairs: int) -> dict:
+    base = _model()
+    engines = {"on": DataParallelModel(copy.deepcopy(base), bucket_cap_mb=1),
+               "off": DataParallelModel(copy.deepcopy(base), bucket_cap_mb=1,
+                                        stall_warning_s=None)}
+    assert engines["on"].stall_monitor is not None and engines["off"].stall_monitor is None
+    x, y = torch.randn(32, 256), torch.randint(0, 10, (32,))
+    times: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    for i in range(pairs + 10):
+        for name in ("on", "off") if i % 2 else ("off", "on"):
+            model = engines[name]
+            wall, cpu = time.perf_counter(), time.process_time()
+            F.cross_entropy(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            if i >= 10:  # warm-up: the bucket rebuild, first allocations
+                times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=300)
+    args = parser.parse_args()
+    results = run_ranks(_rank, 2, args=(args.pairs,), timeout_s=600)
+    print(f"{args.pairs} paired steps per rank, world size 2, Gloo, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    for rank, times in enumerate(results):
+        for kind, what in ((0, "wall"), (1, "CPU")):
+            on = [t[kind] for t in times["on"]]
+            off = [t[kind] for t in times["off"]]
+            ratio = statistics.median(a / b for a, b in zip(on, off, strict=True) if b > 0)
+            print(f"  rank {rank} {what:>4}: on {1e3 * statistics.median(on):.3f} ms, "
+                  f"off {1e3 * statistics.median(off):.3f} ms, median ratio on/off "
+                  f"{ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
