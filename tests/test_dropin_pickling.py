@@ -48,7 +48,10 @@ def _save_load(model: nn.Module) -> nn.Module:
 def _copies_train_alike(ctx, how: str) -> dict[str, bool]:
     torch.manual_seed(100 + ctx.rank)  # different start per rank: the broadcast must win
     base = _model()
-    wrapped = {"torch": DDP(copy.deepcopy(base)), "ours": DataParallelModel(copy.deepcopy(base))}
+    # shared_memory_min_bytes=0: at two ranks every bucket (and so every zero-copy .grad)
+    # lives in shared memory, which the copy must not share.
+    wrapped = {"torch": DDP(copy.deepcopy(base)),
+               "ours": DataParallelModel(copy.deepcopy(base), shared_memory_min_bytes=0)}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in wrapped.items()}
     for seed in range(2):
         for k, m in wrapped.items():
@@ -64,7 +67,7 @@ def _copies_train_alike(ctx, how: str) -> dict[str, bool]:
             _step(copies[k], copy_opts[k], seed + 50, ctx.rank)
     equal = lambda a, b: all(torch.equal(x, y) for x, y in zip(_state(a), _state(b),  # noqa: E731
                                                               strict=True))
-    everyone = [None] * WORLD
+    everyone = [None] * ctx.world_size
     # Parameters only: BatchNorm's running statistics are per rank until the next broadcast.
     dist.all_gather_object(everyone, [p.detach() for p in copies["ours"].parameters()])
     return {"same_start": same_start,
@@ -73,13 +76,18 @@ def _copies_train_alike(ctx, how: str) -> dict[str, bool]:
             "copy_is_separate": not equal(copies["ours"], wrapped["ours"]),
             "copies_in_sync": all(torch.equal(a, b) for other in everyone
                                   for a, b in zip(other, everyone[0], strict=True)),
-            "copy_has_reducer": copies["ours"].reducer is not wrapped["ours"].reducer}
+            "copy_has_reducer": copies["ours"].reducer is not wrapped["ours"].reducer,
+            # Two ranks: the original sums big buckets in shared memory, the copy through Gloo.
+            "copy_has_no_transport": copies["ours"].transport is None,
+            "original_in_shared_memory": ctx.world_size != 2 or all(
+                wrapped["ours"].transport.owns(b.buffer) for b in wrapped["ours"].reducer.buckets)}
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
-def test_a_copy_of_the_wrapped_model_keeps_training_like_torch_ddp(how):
-    for result in run_ranks(_copies_train_alike, WORLD, (how,), timeout_s=150):
+@pytest.mark.parametrize("how, world", [("deepcopy", WORLD), ("torch.save", WORLD),
+                                        ("deepcopy", 2)])
+def test_a_copy_of_the_wrapped_model_keeps_training_like_torch_ddp(how, world):
+    for result in run_ranks(_copies_train_alike, world, (how,), timeout_s=150):
         assert all(result.values()), result
 
 

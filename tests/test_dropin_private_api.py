@@ -68,7 +68,7 @@ COMPARED = ["module_name", "world_size", "rank", "backend_name", "bucket_sizes",
             "total_parameter_size_bytes", "dtypes", "device_ids", "output_device",
             "broadcast_buffers", "has_sync_bn", "rebuilt_bucket_sizes",
             "rebuilt_per_bucket_param_indices", "unused_parameter_size", "num_buckets_reduced",
-            "has_error", "error"]
+            "has_error", "error", "gloo_num_threads"]
 
 
 def _logging(ddp: DDP, ours: DataParallelModel) -> dict[str, Any]:

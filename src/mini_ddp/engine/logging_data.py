@@ -4,8 +4,9 @@ torch DDP's C++ logger fills a dict of strings and integers: construction argume
 bucket layout, the environment, and sampled runtime statistics. We produce the same keys with
 the same meanings and types wherever a model-level Python implementation knows the answer.
 Keys we cannot know are left out rather than faked: the backward compute / communication /
-overlap timings (they need timestamps from inside the reducer's hooks and collectives) and
-``gloo_num_threads``. Times are integers in nanoseconds, as torch's.
+overlap timings and ``prev_iteration_grad_ready_order_indices`` (they need timestamps and the
+ready order from inside the reducer's hooks and collectives). Times are integers in
+nanoseconds, as torch's.
 
 Runtime statistics are sampled like DDP's: the first ten iterations, then one iteration in
 ``sample_rate`` (100 unless ``_set_ddp_runtime_logging_sample_rate`` says otherwise).
@@ -113,6 +114,10 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
         "total_parameter_size_bytes": _nbytes(params, range(len(params))),
         "world_size": reducer.world_size,
     }
+    if strs["backend_name"] == "gloo":
+        threads = _gloo_threads(model.process_group)
+        if threads is not None:
+            ints["gloo_num_threads"] = threads
     if config.static_graph:
         ints["static_graph"] = 1
     if log.error is not None:
@@ -134,3 +139,11 @@ def _unused(reducer: Any) -> list[int]:
 
 def _nbytes(params: Any, indices: Any) -> int:
     return sum(params[i].numel() * params[i].element_size() for i in indices)
+
+
+def _gloo_threads(group: dist.ProcessGroup) -> int | None:
+    """The Gloo backend's worker-thread count (2 unless configured), where torch exposes it."""
+    try:
+        return int(group._get_backend(torch.device("cpu")).options._threads)
+    except (AttributeError, RuntimeError):
+        return None

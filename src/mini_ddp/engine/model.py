@@ -52,6 +52,11 @@ _UNSUPPORTED = {
 # torch's C++ reducer words it in the order of the call that comes second.
 TWO_HOOKS = "register_comm_hook or register_builtin_comm_hook can only be called once."
 TWO_HOOKS_BUILTIN = "register_builtin_comm_hook or register_comm_hook can only be called once."
+STATIC_AND_FIND_UNUSED = (
+    "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
+    "will detect unused parameters automatically, so you do not need to set "
+    "find_unused_parameters=true, just be sure these unused parameters will not change during "
+    "training loop while calling `_set_static_graph`.")
 STATIC_GRAPH_LATE = ("set_static_graph() should be called before training loop starts and "
                      "after DistributedDataParallel is constructed.")
 
@@ -113,6 +118,8 @@ class DataParallelModel(nn.Module, Joinable):
                                       "implemented; unused parameters are reduced as zeros")
         if batched_grad_copy:
             raise NotImplementedError("mini_ddp: batched_grad_copy=True is not implemented")
+        if static_graph and find_unused_parameters:  # DDP warns the same at construction
+            warnings.warn(STATIC_AND_FIND_UNUSED, stacklevel=2)
         if check_reduction:
             warnings.warn("The `check_reduction` argument is deprecated (as in torch DDP) and "
                           "has no effect.", FutureWarning, stacklevel=2)
@@ -375,12 +382,7 @@ class DataParallelModel(nn.Module, Joinable):
             self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
             self._comm_hook_registered, self._comm_hook_name = True, name
         if self.find_unused_parameters:
-            warnings.warn(
-                "You passed find_unused_parameters=true to DistributedDataParallel, "
-                "`_set_static_graph` will detect unused parameters automatically, so you do "
-                "not need to set find_unused_parameters=true, just be sure these unused "
-                "parameters will not change during training loop while calling "
-                "`_set_static_graph`.", stacklevel=2)
+            warnings.warn(STATIC_AND_FIND_UNUSED, stacklevel=2)
 
     def _get_ddp_logging_data(self) -> dict[str, int | str]:
         """torch DDP's debugging dict (same keys, meanings and types where we know them; see
