@@ -15,7 +15,7 @@ import torch
 
 from mini_ddp.tools import parity
 from mini_ddp.tools.parity_report import compare_tensors, ulp_distance
-from mini_ddp.training.models import ZOO, resolve_model
+from mini_ddp.training.models import ZOO, TinyLM, resolve_model
 
 RESNET_ARGS = ["--model", "resnet18", "--world-size", "3", "--batch-size", "2"]
 
@@ -91,7 +91,7 @@ def test_resolve_model_specs():
 
     assert resolve_model("torchvision:resnet18") is models.resnet18
     assert resolve_model("torchvision.models:resnet18") is models.resnet18
-    assert resolve_model("mini_ddp.training.models:mlp") is ZOO["mlp"].builder.__globals__["mlp"]
+    assert resolve_model("mini_ddp.training.models:TinyLM") is TinyLM
     assert isinstance(resolve_model("lenet")(), torch.nn.Sequential)
     with pytest.raises(ValueError, match="unknown model"):
         resolve_model("no-such-model")
