@@ -116,10 +116,14 @@ class ParityReport:
         knobs = ", ".join(f"{f}={getattr(o, f)}" for f in DDP_KEYWORDS
                           if getattr(o, f) != defaults[f])
         steps = f"{o.steps} step{'s' if o.steps != 1 else ''}"
+        data = (f"batches from {o.batch_fn}" if o.batch_fn else ", ".join(
+            f"{k.replace('_', ' ')} {v}" for k, v in (
+                ("input_shape", o.input_shape), ("input_dtype", o.input_dtype),
+                ("loss", o.loss), ("num_classes", o.num_classes)) if v is not None))
         lines = [f"mini_ddp parity: {o.model}, world size {o.world_size}, {steps}, "
                  f"batch {o.batch_size}/rank, {o.optimizer}, seed {o.seed}, reference: {ref}",
-                 f"options: {knobs or 'defaults'}" + (f"; INJECTED BUG: {o.inject_bug}"
-                                                      if o.inject_bug else ""),
+                 f"options: {knobs or 'defaults'}" + (f"; {data}" if data else "")
+                 + (f"; INJECTED BUG: {o.inject_bug}" if o.inject_bug else ""),
                  f"{'step':>4}  {'tensors':>7}  {'bitwise':>7}  {'max|diff|':>10}  "
                  f"{'max ULP':>9}" + ("  within tol" if local else "")]
         for step in range(1, o.steps + 1):
