@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
+from mini_ddp.engine.stall import ARRIVAL_GRACE_S
 from mini_ddp.observe.watchdog import StallReport, StallWatchdog, holds_up
 
 LIMIT_S = 3.0
@@ -109,9 +110,12 @@ def test_a_peer_that_died_is_named_from_its_marks():
 
 
 def test_warn_mode_logs_the_report_and_keeps_waiting():
-    # sync_timeout_s counts on after the report: rank 0 warns at the limit, then times out.
-    rank0, rank1 = run_ranks(_skip_on_rank1, 2, args=("warn", True, 1.0), timeout_s=120)
+    # sync_timeout_s counts from the start of the wait: rank 0 warns at the limit (3 s), waits
+    # on, and times out at 4 s.
+    rank0, rank1 = run_ranks(_skip_on_rank1, 2, args=("warn", True, LIMIT_S + 1.0),
+                             timeout_s=120)
     assert rank0["type"] == "GradSyncTimeout", rank0["message"]
+    assert LIMIT_S + 0.9 < rank0["waited"] < LIMIT_S + 1.0 + ARRIVAL_GRACE_S
     assert any("stall report from rank 0" in w and "branch.weight" in w
                for w in rank0["warnings"])
     assert rank1["type"] == "UnfinishedReductionError"  # the engine's own error, after ...

@@ -18,6 +18,7 @@ from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
 from mini_ddp.engine.config import process_group_timeout_s
 from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.observe.watchdog import StallWatchdog
+from mini_ddp.transport.wait import wait_done
 
 LATE_RANK, LATE_S, WARN_S = 1, 3.0, 0.5
 
@@ -124,3 +125,21 @@ def test_a_watchdog_puts_the_default_warning_back_when_removed():
     assert (reducer.on_stall, reducer.stall_after_s) == (default.on_stall, 60.0)
     default.remove()
     assert (reducer.on_stall, reducer.stall_after_s, reducer.trace) == (None, None, None)
+
+
+def test_the_deadline_counts_from_the_start_of_the_wait_report_included():
+    slow: list[float] = []
+    start = time.monotonic()
+    never = torch.futures.Future()
+    assert not wait_done(never, 0.6, stall_after_s=0.2,
+                         on_slow=lambda: (slow.append(time.monotonic() - start), time.sleep(0.1)))
+    waited = time.monotonic() - start
+    assert len(slow) == 1 and 0.2 <= slow[0] < 0.4
+    assert 0.6 <= waited < 0.9  # not 0.2 + 0.1 + 0.6: the warning does not stretch it
+    slow.clear()
+    assert not wait_done(never, 0.2, stall_after_s=5.0, on_slow=lambda: slow.append(0.0))
+    assert slow == []  # a deadline shorter than the warning comes first, alone
+    done = torch.futures.Future()
+    done.set_result(1)
+    assert wait_done(done, 0.0, stall_after_s=0.0, on_slow=lambda: slow.append(0.0))
+    assert slow == []

@@ -10,6 +10,7 @@ own error, naming its bucket or hook).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -24,8 +25,9 @@ def wait_done(future: torch._C.Future, timeout_s: float | None, *,
 
     ``timeout_s`` None waits forever. When ``on_slow`` is given with ``stall_after_s``, it is
     called once, after ``stall_after_s`` seconds without an answer; it may raise (the wait then
-    ends with its exception) or return, and then ``timeout_s`` counts from that moment: a
-    stall observer reports first and the deadline follows its report, whichever is shorter.
+    ends with its exception) or return, and the wait goes on. ``timeout_s`` counts from the
+    start of the wait, the report included: a stall warning (on by default) must not stretch
+    a deadline the user set, and a deadline shorter than ``stall_after_s`` comes first.
     The future's value or error is not read here: call ``future.wait()`` afterwards for that.
     """
     if future.done():
@@ -33,6 +35,9 @@ def wait_done(future: torch._C.Future, timeout_s: float | None, *,
     # add_done_callback fires on errors too, and at once if the future completed meanwhile.
     done = threading.Event()
     future.add_done_callback(lambda _: done.set())
-    if on_slow is not None and stall_after_s is not None and not done.wait(stall_after_s):
+    start = time.monotonic()
+    if on_slow is not None and stall_after_s is not None and (
+            timeout_s is None or stall_after_s < timeout_s) and not done.wait(stall_after_s):
         on_slow()
-    return done.wait(timeout_s)
+    return done.wait(None if timeout_s is None
+                     else max(0.0, timeout_s - (time.monotonic() - start)))
