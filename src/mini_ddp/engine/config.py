@@ -168,5 +168,15 @@ def process_group_timeout_s(group: dist.ProcessGroup) -> float:
         return dist.distributed_c10d._get_default_timeout(dist.get_backend(group)).total_seconds()
 
 
+def format_bytes(nbytes: int | None) -> str:
+    """A size for people: ``"10.2 KiB"``, ``"25 MiB"``, ``"512 B"`` (3 significant digits)."""
+    value, unit = float(nbytes or 0), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+
+
 def _mib(nbytes: int | None) -> str:
-    return f"{(nbytes or 0) / MIB:.4g} MiB ({nbytes:,} bytes)"
+    return f"{format_bytes(nbytes)} ({nbytes or 0:,} bytes)"
