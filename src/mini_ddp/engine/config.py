@@ -58,12 +58,13 @@ class DataParallelConfig:
     grad enabled — except right after a forward under ``no_grad`` or ``no_sync()``, as DDP."""
 
     sync_timeout_s: float | None = None
-    """How long the end of backward waits for one bucket's collective (counted after the stall
-    warning, if one was logged), and a forward for the buffer broadcast, before raising
-    :class:`mini_ddp.errors.GradSyncTimeout` naming what it waited for. ``None`` (the default)
-    means the process group's own timeout — what torch DDP waits (30 min unless
-    ``init_process_group(timeout=...)`` says otherwise); ``DataParallelModel`` fills it in,
-    see :func:`process_group_timeout_s`."""
+    """How long the end of backward waits for one bucket's collective (counted from the start
+    of the wait, a stall warning included), and a forward for the buffer broadcast, before
+    raising :class:`mini_ddp.errors.GradSyncTimeout` naming what it waited for. ``None``
+    (the default) means the process group's own timeout — what torch DDP waits (30 min
+    unless ``init_process_group(timeout=...)`` says otherwise); ``DataParallelModel`` fills
+    it in, see :func:`process_group_timeout_s`. Gloo fails the collective itself at that
+    timeout, usually first: then the error is a ``CollectiveError`` naming the bucket."""
 
     stall_warning_s: float | None = 60.0
     """After this long waiting for one bucket, log a WARNING (logger ``"mini_ddp"``) naming the
