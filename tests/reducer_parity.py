@@ -59,17 +59,31 @@ def train_side_by_side(rank: int, factory: Callable[[], nn.Module],
                        loss_fn: Callable[[Any, Any], torch.Tensor], ddp_kw: dict,
                        ours_kw: dict | None = None, steps: int = 3,
                        settle: Callable[[], None] | None = None,
-                       set_to_none: bool = True, lr: float = 0.05) -> list[str]:
-    """Train both engines; return every difference found (empty: bitwise equal)."""
+                       set_to_none: bool = True, lr: float = 0.05, momentum: float = 0.9,
+                       setup: Callable[[nn.Module], None] | None = None,
+                       warmup: bool = False) -> list[str]:
+    """Train both engines; return every difference found (empty: bitwise equal).
+
+    ``warmup``: one forward/backward first whose gradients are thrown away (no step, no
+    comparison) — for a torch behaviour whose first iteration is not reproducible.
+    """
     torch.manual_seed(1000 + rank)  # deliberately different on each rank
     base = factory()
     ref_module, our_module = copy.deepcopy(base), copy.deepcopy(base)
     ref = DDP(ref_module, **_resolve(ddp_kw, ref_module))
     ours = DataParallelModel(our_module, **_resolve(
         ddp_kw if ours_kw is None else ours_kw, our_module))
+    if setup is not None:  # e.g. register a comm hook on both
+        setup(ref)
+        setup(ours)
     bad = compare("after construction", ref.module, ours.module, "state")
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
-    opt_ours = torch.optim.SGD(ours.parameters(), lr=lr, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=lr, momentum=momentum)
+    if warmup:
+        x, y = make_batch(torch.Generator().manual_seed(rank * 100 + 99))
+        for engine in (ref, ours):
+            loss_fn(engine(x), y).backward()
+            engine.zero_grad(set_to_none=True)
     for step in range(steps):
         g = torch.Generator().manual_seed(rank * 100 + step)
         x, y = make_batch(g)

@@ -27,6 +27,7 @@ from mini_ddp.engine import construction, pickling
 from mini_ddp.engine import join as joining
 from mini_ddp.engine.comm import dist_broadcast_coalesced, verify_params_across_ranks
 from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
 from mini_ddp.engine.hooks import (
     CommHook,
     builtin_comm_hook,
@@ -35,6 +36,8 @@ from mini_ddp.engine.hooks import (
     prepare_comm_hook,
 )
 from mini_ddp.engine.logging_data import RuntimeLog, logging_data
+from mini_ddp.engine.mixed_precision import allreduce_and_upcast_hook, cast_inputs
+from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.reducer import Reducer
 from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.errors import naming_collective
@@ -42,13 +45,6 @@ from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 logger = logging.getLogger("mini_ddp")
 
-# DDP keywords we do not implement (each needs reducer support): refusing them loudly beats
-# ignoring them silently.
-_UNSUPPORTED = {
-    "mixed_precision": "cast the module yourself, or use torch DDP for this feature",
-    "delay_all_reduce_named_params": "not implemented in mini_ddp",
-    "param_to_hook_all_reduce": "not implemented in mini_ddp",
-}
 # torch's C++ reducer words it in the order of the call that comes second.
 TWO_HOOKS = "register_comm_hook or register_builtin_comm_hook can only be called once."
 TWO_HOOKS_BUILTIN = "register_builtin_comm_hook or register_comm_hook can only be called once."
@@ -106,13 +102,6 @@ class DataParallelModel(nn.Module, Joinable):
         self._runtime_log = RuntimeLog()
         construction.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.process_group = construction.resolve_process_group(process_group, device_mesh)
-        given = {"mixed_precision": mixed_precision,
-                 "delay_all_reduce_named_params": delay_all_reduce_named_params,
-                 "param_to_hook_all_reduce": param_to_hook_all_reduce}
-        for name, value in given.items():
-            if value is not None:
-                raise NotImplementedError(f"mini_ddp: DataParallelModel does not support "
-                                          f"{name}= ({_UNSUPPORTED[name]})")
         if skip_all_reduce_unused_params:
             raise NotImplementedError("mini_ddp: skip_all_reduce_unused_params=True is not "
                                       "implemented; unused parameters are reduced as zeros")
@@ -130,6 +119,17 @@ class DataParallelModel(nn.Module, Joinable):
         self.module = module
         self.dim = dim
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.delayed: DelayedAllReduce | None = None
+        if delay_all_reduce_named_params is not None:  # see mini_ddp.engine.delayed
+            self.parameters_to_ignore |= ignored_names(delay_all_reduce_named_params)
+            check_something_left(module, self.parameters_to_ignore)
+            self.delayed = DelayedAllReduce(
+                delay_all_reduce_named_params, param_to_hook_all_reduce, module,
+                self.process_group, device_ids, self.parameters_to_ignore, bucket_cap_mb,
+                bucket_cap_mb_list)
+            if self.delayed.all_params:  # DDP then builds no reducer at all
+                self.reducer = None
+                return
         construction.check_params(module, self.parameters_to_ignore)
         self.device_ids, self.output_device = construction.check_device_ids(
             module, self.parameters_to_ignore, device_ids, output_device)
@@ -166,6 +166,13 @@ class DataParallelModel(nn.Module, Joinable):
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)
         self._attach_reducer(named)
+        self.mixed_precision = mixed_precision
+        if mixed_precision is not None:  # torch's sequence: see mini_ddp.engine.mixed_precision
+            logger.warning("Received mixed precision config %s", mixed_precision)
+            self.reducer.zero_copy = False  # .grad must stay the full-precision tensor
+            self.register_comm_hook(mixed_precision_setup(
+                module, [p for _, p in named], mixed_precision, self.process_group,
+                self.reducer.on_grad_accumulated), allreduce_and_upcast_hook)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 
@@ -208,6 +215,8 @@ class DataParallelModel(nn.Module, Joinable):
     # ---- forward -------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; around it, do DDP's per-forward bookkeeping."""
+        if self.reducer is None:  # every parameter delayed: none of DDP's bookkeeping
+            return self.delayed.forward(self.module, inputs, kwargs)
         trace = self.reducer.trace
         if trace is not None:
             trace.record("forward_start")
@@ -228,6 +237,7 @@ class DataParallelModel(nn.Module, Joinable):
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
+        inputs, kwargs = cast_inputs(self.mixed_precision, inputs, kwargs)
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -240,6 +250,8 @@ class DataParallelModel(nn.Module, Joinable):
         if (self.find_unused_parameters and not self.static_graph) or (
                 self.static_graph and not self._delay_all_reduce_enqueued):
             output = self._through_sink(output)
+        if self.delayed is not None:
+            self.delayed.point_grads_at_buffer()
         self._runtime_log.forward_finished()
         if trace is not None:
             trace.record("forward_end")

@@ -1,0 +1,94 @@
+"""``mixed_precision=_MixedPrecision(...)`` against torch DDP, bitwise, world size 3.
+
+torch DDP's mixed precision creates accelerator streams and events even on CPU (and fails
+without an accelerator); in the ranks of this test they are replaced by no-op stand-ins. That
+changes nothing on CPU, where every operation already runs in program order — what remains is
+exactly torch's sequence of casts, copies, reductions and divisions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reducer_parity import train_side_by_side
+from torch import nn
+from torch.nn.parallel.distributed import _MixedPrecision
+
+from mini_ddp import run_ranks
+
+
+class _NullStream:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, other):
+        pass
+
+
+class _NullEvent:
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+
+def _cpu_streams():
+    torch.Stream = lambda *a, **k: _NullStream()
+    torch.Event = lambda *a, **k: _NullEvent()
+    torch.accelerator.current_stream = lambda *a, **k: _NullStream()
+
+
+class Net(nn.Module):
+    """With a BatchNorm (its buffers need buffer_dtype == param_dtype on CPU) or without."""
+
+    def __init__(self, norm=True):
+        super().__init__()
+        self.a = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16) if norm else nn.Identity()
+        self.b = nn.Linear(16, 16)
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.c = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.a(x)))
+        return self.c(self.frozen(torch.tanh(self.b(h))))
+
+
+def _batch(g):
+    return torch.randn(6, 6, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+def _loss(out, y):
+    return F.cross_entropy(out.float(), y)
+
+
+def _run(ctx, dtypes, kw):
+    _cpu_streams()
+    mp = _MixedPrecision(*dtypes)
+    # warmup: torch's first iteration reduces an uninitialised buffer (it moves its buckets to
+    # param_dtype after making the gradient views, which keep pointing at the old buffer until
+    # the rebuild before the second forward), so its first gradients are not reproducible.
+    factory = Net if dtypes[2] == dtypes[0] else functools.partial(Net, norm=False)
+    return train_side_by_side(ctx.rank, factory, _batch, _loss, {"mixed_precision": mp, **kw},
+                              steps=3, warmup=True)
+
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("dtypes,kw", [
+    ((BF16, F32, BF16), {}),
+    ((BF16, BF16, None), {"bucket_cap_mb": 0.001}),
+    ((F16, F16, F16), {}),
+    ((BF16, F32, F32), {"forward_sync_buffers": False}),
+], ids=["bf16-reduce-fp32", "bf16-small-buckets", "fp16", "bf16-no-buffer-sync"])
+def test_mixed_precision_matches_torch(dtypes, kw):
+    results = run_ranks(_run, 3, args=(dtypes, kw), timeout_s=180)
+    assert results == [[], [], []], results
