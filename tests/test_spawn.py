@@ -83,3 +83,22 @@ def _return_a_tensor(ctx):
 def test_tensors_come_back_after_the_ranks_exit():
     results = run_ranks(_return_a_tensor, 2, timeout_s=60)
     assert [r.tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+
+
+def _store_listeners(ctx):
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # PrefixStore -> the TCPStore client
+        store = store.underlying_store
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.split(":")[1], 16) == store.port:  # 0A: LISTEN
+                listening.append(local.split(":")[0])
+    return listening
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket table")
+def test_the_harness_store_listens_on_loopback_only():
+    for listening in run_ranks(_store_listeners, 2, timeout_s=60):
+        assert listening == ["0100007F"]  # 127.0.0.1, and nothing on tcp6 (no "::")

@@ -143,3 +143,13 @@ def test_the_deadline_counts_from_the_start_of_the_wait_report_included():
     done.set_result(1)
     assert wait_done(done, 0.0, stall_after_s=0.0, on_slow=lambda: slow.append(0.0))
     assert slow == []
+
+
+if __name__ == "__main__":  # the figures in docs/reliability.md
+    late = run_ranks(_late_rank, 3, args=(WARN_S,), timeout_s=90)
+    print(f"rank 1 sleeps {LATE_S} s before backward, stall_warning_s={WARN_S}; rank 0 logs:")
+    print(late[0]["warnings"][0][1])
+    kind, waited, message = run_ranks(_hang_past_the_group_timeout, 2, collective_timeout_s=4,
+                                      timeout_s=60)[0]
+    print(f"\ngroup timeout 4 s, rank 1 sleeps 12 s: rank 0 raised {kind} after {waited:.2f} s:")
+    print(message)
