@@ -80,7 +80,8 @@ def spans(rank_trace: RankTrace) -> list[Span]:
             finalize_start = t
         elif kind == "finalized":
             if finalize_start is not None:
-                out.append(Span("compute", "finalize (wait + copy back)", finalize_start, t, step))
+                out.append(Span("compute", "finalize (wait, then fill .grad)", finalize_start,
+                                t, step))
             step, first_hook, forward_end, finalize_start = step + 1, None, None, None
         elif kind == "mark":
             out.append(Span("compute", info["name"], t, t, step, dict(info)))
