@@ -115,3 +115,11 @@ def test_same_exception_type_and_torch_message_inside_ours(outcomes, case):
         assert torch_type != "ok", f"rank {rank}: torch DDP accepts this: the case is wrong"
         assert our_type == torch_type, (rank, torch_type, torch_msg, our_type, our_msg)
         assert torch_msg in our_msg, (rank, torch_msg, our_msg)
+
+
+def test_wrapping_before_init_process_group_raises_like_torch() -> None:
+    if dist.is_initialized():  # another test in this process left a group behind
+        pytest.skip("needs a process without a default process group")
+    (torch_type, torch_msg), (our_type, our_msg) = (
+        _outcome(lambda: DDP(nn.Linear(2, 2))), _outcome(lambda: DataParallelModel(nn.Linear(2, 2))))
+    assert our_type == torch_type == "ValueError" and torch_msg in our_msg, (torch_msg, our_msg)

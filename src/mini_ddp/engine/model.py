@@ -94,11 +94,14 @@ class DataParallelModel(nn.Module, Joinable):
         Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.engine.join
         self.divide_by_initial_world_size = True  # join(divide_by_initial_world_size=...)
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "mini_ddp: DataParallelModel needs torch.distributed to be initialised first. "
-                "Call torch.distributed.init_process_group(backend='gloo' (CPU) or 'nccl' "
-                "(GPU), ...) in every process before wrapping the model — torchrun sets the "
-                "environment for init_method='env://'; see docs/launching.md.")
+            # torch DDP's ValueError and sentence (from looking up the default group).
+            raise ValueError(
+                "Default process group has not been initialized, please make sure to call "
+                "init_process_group. (mini_ddp: DataParallelModel needs torch.distributed to be "
+                "initialised first. Call torch.distributed.init_process_group(backend='gloo' "
+                "(CPU) or 'nccl' (GPU), ...) in every process before wrapping the model — "
+                "torchrun sets the environment for init_method='env://'; see "
+                "docs/launching.md.)")
         self._runtime_log = RuntimeLog()
         construction.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.process_group = construction.resolve_process_group(process_group, device_mesh)
