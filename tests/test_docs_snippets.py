@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -89,3 +90,32 @@ def test_tutorial_tool_snippets_run(one_rank_group, marker):
     model = DataParallelModel(_net())
     _run(block_containing("tutorial.md", marker), "tutorial.md", model=model)
     model(torch.randn(2, 4)).sum().backward()  # a step with the tool installed
+
+
+_DOTTED = re.compile(r"`[^`]*?\b(mini_ddp(?:\.\w+)+)")
+_PATH = re.compile(r"`((?:tests|scripts|src|examples|docs)/[\w/.-]+\.(?:py|sh|md|txt|json|png))")
+
+
+def _resolve(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if (DOCS / p).exists()])
+def test_named_modules_and_files_exist(page):
+    """Every `mini_ddp.…` name and every repository path a page quotes exists."""
+    text = (DOCS / page).read_text()
+    missing = sorted({d for d in _DOTTED.findall(text) if not _resolve(d)})
+    root = DOCS.parent
+    missing += sorted({p for p in _PATH.findall(text) if not (root / p.split("::")[0]).exists()})
+    assert not missing, f"docs/{page} names what does not exist: {missing}"
