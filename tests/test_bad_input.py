@@ -51,8 +51,8 @@ def _per_rank_models(rank: int) -> dict[str, nn.Module]:
 
 
 # device_mesh, bucket_cap_mb_list and the delay_all_reduce pair: tests/test_dropin_*.py;
-# mixed_precision: tests/test_dropin_reducer_mixed_precision.py.
-_UNSUPPORTED = {"skip_all_reduce_unused_params": True, "batched_grad_copy": True, "dim": 1}
+# mixed_precision, skip_all_reduce_unused_params, batched_grad_copy: test_dropin_reducer_*.py.
+_UNSUPPORTED = {"dim": 1}
 
 
 def _construction_refusals(ctx) -> dict[str, tuple[str, str]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ def assign_buckets(
     params: Sequence[torch.Tensor],
     size_limits: Sequence[int],
     order: Sequence[int] | None = None,
+    expect_sparse: Sequence[bool] | None = None,
 ) -> list[list[int]]:
     """Group parameter indices into buckets exactly as torch DDP does.
 
@@ -63,7 +64,8 @@ def assign_buckets(
     may exceed it. Each (dtype, device) walks through ``size_limits`` one bucket at a time and
     then keeps using the last limit. With the default order the result is sorted by the
     smallest index a bucket holds; with an explicit ``order`` (the gradient-ready order of the
-    rebuild) buckets keep the order in which they closed.
+    rebuild) buckets keep the order in which they closed. A parameter flagged in
+    ``expect_sparse`` gets a bucket of its own, with no cap (DDP's rule for sparse gradients).
     """
     if not params:
         raise ValueError("assign_buckets needs at least one parameter")
@@ -74,6 +76,9 @@ def assign_buckets(
     limit_pos: dict[tuple[torch.dtype, torch.device], int] = {}
     for index in visit:
         tensor = params[index]
+        if expect_sparse is not None and expect_sparse[index]:
+            result.append([index])
+            continue
         key = (tensor.dtype, tensor.device)
         open_buckets.setdefault(key, []).append(index)
         open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
@@ -167,12 +172,21 @@ class Bucket:
     grad_bucket: Any = None  # the GradBucket handed to the comm hook at launch
     handed_out: bool = False  # views were made ``.grad`` by the zero-copy write-back
     base_refs: int = 0  # storage_use_count(buffer) while only this bucket looks into it
+    sparse: bool = False  # one parameter with sparse gradients: ``buffer`` *is* its ``.grad``
+    deferred: list[int] = field(default_factory=list)  # batched_grad_copy: positions to copy
 
     @classmethod
     def build(cls, index: int, param_indices: list[int], all_params: Sequence[torch.Tensor],
-              allocate: Allocator = zeros_allocator) -> Bucket:
-        """Allocate the flat buffer for ``param_indices`` (in that order) and its views."""
+              allocate: Allocator = zeros_allocator, sparse: bool = False) -> Bucket:
+        """Allocate the flat buffer for ``param_indices`` (in that order) and its views.
+
+        A ``sparse`` bucket allocates nothing and has no views: its buffer becomes the
+        parameter's sparse ``.grad`` when that is ready (:mod:`mini_ddp.engine.sparse`).
+        """
         params = [all_params[i] for i in param_indices]
+        if sparse:
+            return cls(index, list(param_indices), params, params[0].new_empty(0), [0], [],
+                       pending=1, sparse=True)
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
@@ -205,10 +219,13 @@ class Bucket:
 
 
 def build_buckets(layout: list[list[int]], params: Sequence[torch.Tensor],
-                  allocate: Allocator = zeros_allocator
+                  allocate: Allocator = zeros_allocator,
+                  expect_sparse: Sequence[bool] | None = None
                   ) -> tuple[list[Bucket], list[tuple[int, int]]]:
     """Make the buckets for ``layout`` and a locator: param index -> (bucket, position)."""
-    buckets = [Bucket.build(i, indices, params, allocate) for i, indices in enumerate(layout)]
+    buckets = [Bucket.build(i, indices, params, allocate, sparse=bool(
+        expect_sparse and len(indices) == 1 and expect_sparse[indices[0]]))
+        for i, indices in enumerate(layout)]
     locator: list[tuple[int, int]] = [(-1, -1)] * len(params)
     for bucket in buckets:
         for pos, param_index in enumerate(bucket.param_indices):

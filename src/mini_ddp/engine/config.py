@@ -91,6 +91,22 @@ class DataParallelConfig:
     """Smaller buckets stay on Gloo: the shared-memory path costs two small Gloo syncs and a
     thread hand-off per bucket, more than Gloo needs for a few KiB."""
 
+    skip_all_reduce_unused_params: bool = False
+    """Do not launch a bucket whose parameters are all unused this iteration (found unused by
+    ``find_unused_parameters``, or by a static graph's first iteration); their ``.grad`` stay
+    as they are. Every rank must have the same unused parameters, or the collectives
+    mismatch — as in torch DDP."""
+
+    batched_grad_copy: bool = False
+    """Defer each gradient's copy into its bucket until the bucket is full, then copy them all
+    with one ``torch._foreach_copy_`` and divide the whole bucket once (``div_``, a true
+    division — different bits from the default multiply by ``1/world_size``), as torch DDP."""
+
+    expect_sparse_gradients: list[bool] | None = None
+    """Per reducer parameter: does its module produce sparse gradients (``Embedding`` /
+    ``EmbeddingBag`` with ``sparse=True``)? Set by ``DataParallelModel``; each such parameter
+    gets a bucket of its own (:mod:`mini_ddp.engine.sparse`)."""
+
     def resolve_sync_timeout(self, group: dist.ProcessGroup) -> None:
         """Replace ``sync_timeout_s=None`` by ``group``'s own timeout, in seconds."""
         if self.sync_timeout_s is None:

@@ -65,9 +65,6 @@ def params_for_reducer(module: nn.Module, ignore: set[str]) -> list[tuple[str, n
             if not param.requires_grad or name in ignore or id(param) in seen:
                 continue
             seen.add(id(param))
-            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-                raise NotImplementedError(f"mini_ddp: sparse gradients are not supported "
-                                          f"(module '{module_name}' has sparse=True)")
             named.append((name, param))
     return named
 

@@ -48,8 +48,8 @@ class BucketLayout:
         # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
         # (then DDP applies the size caps over the definition order). The list is reversed so
         # the last-defined parameters, whose gradients come first, are in bucket 0.
-        self.install(list(reversed(bucketing.assign_buckets(params,
-                                                            config.initial_size_limits()))))
+        self.install(list(reversed(bucketing.assign_buckets(
+            params, config.initial_size_limits(), expect_sparse=config.expect_sparse_gradients))))
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A bucket's zero-filled buffer: shared memory when the transport will sum it."""
@@ -70,7 +70,8 @@ class BucketLayout:
         for bucket in self.buckets:
             if self.transport is not None and self.transport.owns(bucket.buffer):
                 self.transport.free(bucket.buffer)  # memory goes once the old views do
-        self.buckets, self.locator = bucketing.build_buckets(layout, self.params, self.allocate)
+        self.buckets, self.locator = bucketing.build_buckets(
+            layout, self.params, self.allocate, self.config.expect_sparse_gradients)
         self.history.append([list(indices) for indices in layout])
         for index, old_view in movable:
             bucket_index, position = self.locator[index]
@@ -82,6 +83,8 @@ class BucketLayout:
             # Gradients that already exist move into the new buffers (DDP does the same when
             # it rebuilds), so ``.grad`` is a bucket view from now on.
             for bucket in self.buckets:
+                if bucket.sparse:
+                    continue  # its buffer is the sparse .grad itself
                 for p, view in zip(bucket.params, bucket.views, strict=True):
                     if p.grad is not None and not shares_storage(p.grad, bucket.buffer):
                         view.copy_(p.grad)
@@ -100,6 +103,7 @@ class BucketLayout:
         for bucket in self.buckets:
             bucket.pending = len(bucket.param_indices)
             bucket.future = None
+            bucket.deferred.clear()  # batched_grad_copy: nothing deferred yet
 
     def record_ready(self, *indices: int) -> None:
         """Note that these parameters' gradients are the next ones to become ready."""
@@ -116,7 +120,8 @@ class BucketLayout:
         if not self.should_rebuild() or not self.rebuild_order:
             return False
         layout = bucketing.assign_buckets(self.params, self.config.rebuild_size_limits(),
-                                          order=self.rebuild_order)
+                                          order=self.rebuild_order,
+                                          expect_sparse=self.config.expect_sparse_gradients)
         with naming_collective(self.rank, "the broadcast of rank 0's rebuilt bucket layout "
                                "(before the second forward)"):
             layout = bucketing.agree_on_layout(layout, self.group, self.params[0].device)

@@ -39,6 +39,7 @@ from mini_ddp.engine.logging_data import RuntimeLog, logging_data
 from mini_ddp.engine.mixed_precision import allreduce_and_upcast_hook, cast_inputs
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.reducer import Reducer
+from mini_ddp.engine.sparse import expect_sparse_gradients
 from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.errors import naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
@@ -105,11 +106,6 @@ class DataParallelModel(nn.Module, Joinable):
         self._runtime_log = RuntimeLog()
         construction.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.process_group = construction.resolve_process_group(process_group, device_mesh)
-        if skip_all_reduce_unused_params:
-            raise NotImplementedError("mini_ddp: skip_all_reduce_unused_params=True is not "
-                                      "implemented; unused parameters are reduced as zeros")
-        if batched_grad_copy:
-            raise NotImplementedError("mini_ddp: batched_grad_copy=True is not implemented")
         if static_graph and find_unused_parameters:  # DDP warns the same at construction
             warnings.warn(STATIC_AND_FIND_UNUSED, stacklevel=2)
         if check_reduction:
@@ -148,6 +144,9 @@ class DataParallelModel(nn.Module, Joinable):
         self.config = DataParallelConfig(
             bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list,
             find_unused_parameters=find_unused_parameters,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
+            expect_sparse_gradients=expect_sparse_gradients(module, [p for _, p in named]),
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             init_sync=init_sync, init_sync_buffers=init_bufs, forward_sync_buffers=sync_fwd,
             sync_timeout_s=sync_timeout_s, stall_warning_s=stall_warning_s,

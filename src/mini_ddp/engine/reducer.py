@@ -42,6 +42,7 @@ from torch.autograd import Variable
 
 from mini_ddp.engine import buckets as bucketing
 from mini_ddp.engine import writeback
+from mini_ddp.engine.batched_copy import flush, note_grad
 from mini_ddp.engine.bucket_wait import wait_for_collective
 from mini_ddp.engine.config import DataParallelConfig
 from mini_ddp.engine.copy_in import copy_grad_in, scale_tensor
@@ -53,6 +54,7 @@ from mini_ddp.engine.hooks import (
     launch_hook,
     result_tensor,
 )
+from mini_ddp.engine.sparse import sparse_grad_in, sparse_write_back
 from mini_ddp.engine.step_state import StepState
 from mini_ddp.engine.unused import UnusedSearch
 from mini_ddp.errors import (
@@ -137,7 +139,7 @@ class Reducer:
 
     def _through_transport(self, bucket: bucketing.Bucket) -> bool:
         """Is this step's all-reduce of ``bucket`` the shared-memory one (not Gloo's)?"""
-        return self.use_transport and self.transport.owns(bucket.buffer)
+        return self.use_transport and not bucket.sparse and self.transport.owns(bucket.buffer)
 
     # ---- per-step state ------------------------------------------------------------------
     def prepare_for_forward(self) -> None:
@@ -220,6 +222,8 @@ class Reducer:
         self._copy_in(bucket, position)
         bucket.pending -= 1
         if bucket.pending == 0:
+            if self.config.batched_grad_copy:
+                self._flush(bucket)
             if self.trace is not None:
                 self.trace.record("bucket_ready", bucket=bucket_index)
             self.start_grad_sync(bucket_index)
@@ -230,9 +234,19 @@ class Reducer:
                 Variable._execution_engine.queue_callback(self.finish_grad_sync)
 
     def _copy_in(self, bucket: bucketing.Bucket, position: int) -> None:
-        copy_grad_in(bucket, position, hooked=self.comm_hook is not None,
-                     as_bucket_view=self.config.gradient_as_bucket_view,
-                     div_factor=self.div_factor, scale=self._scale)
+        hooked = self.comm_hook is not None
+        if bucket.sparse:  # the sparse .grad becomes the bucket (mini_ddp.engine.sparse)
+            sparse_grad_in(bucket, hooked=hooked, div_factor=self.div_factor,
+                           name=self.names[bucket.param_indices[0]], rank=self.rank)
+            return
+        # batched_grad_copy only notes the gradient; _flush copies when the bucket is full.
+        (note_grad if self.config.batched_grad_copy else copy_grad_in)(
+            bucket, position, hooked=hooked, as_bucket_view=self.config.gradient_as_bucket_view,
+            div_factor=self.div_factor, scale=self._scale)
+
+    def _flush(self, bucket: bucketing.Bucket) -> None:
+        flush(bucket, hooked=self.comm_hook is not None,
+              as_bucket_view=self.config.gradient_as_bucket_view, div_factor=self.div_factor)
 
     # ---- 3. launch -----------------------------------------------------------------------
     def start_grad_sync(self, bucket_index: int) -> None:
@@ -241,8 +255,15 @@ class Reducer:
         if bucket_index > step.next_bucket:
             return
         while step.next_bucket < len(buckets) and buckets[step.next_bucket].pending == 0:
-            self._launch(buckets[step.next_bucket])
+            if not self._skipped(buckets[step.next_bucket]):
+                self._launch(buckets[step.next_bucket])
             step.next_bucket += 1
+
+    def _skipped(self, bucket: bucketing.Bucket) -> bool:
+        """``skip_all_reduce_unused_params``: a bucket of unused parameters only stays local
+        (no future: its ``.grad`` are left alone), as DDP's ``should_skip_all_reduce_bucket``."""
+        return self.config.skip_all_reduce_unused_params and all(
+            i in self.unused_search.unused for i in bucket.param_indices)
 
     def _launch(self, bucket: bucketing.Bucket) -> None:
         grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.buckets))
@@ -275,6 +296,8 @@ class Reducer:
                 for position in range(len(bucket.params)):
                     self._copy_in(bucket, position)
             for bucket in self.buckets:
+                if self.config.batched_grad_copy:
+                    self._flush(bucket)
                 self._launch(bucket)
             self.step.next_bucket = len(self.buckets)
         self.finish_grad_sync()
@@ -318,7 +341,12 @@ class Reducer:
             skip = (lambda index: self.unused_search.globally_unused(index, self.wait)) \
                 if track_unused else None
             for bucket in self.buckets:
+                if bucket.future is None:
+                    continue  # skipped: all its parameters unused (skip_all_reduce_unused_params)
                 value = self.wait(bucket.future, bucket)
+                if bucket.sparse:  # the result goes into the bucket, which is the .grad
+                    sparse_write_back(bucket, value)
+                    continue
                 result = result_tensor(value, self.comm_hook, bucket.grad_bucket)
                 if self.trace is not None:
                     self.trace.record("complete", bucket=bucket.index)
