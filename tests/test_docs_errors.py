@@ -97,9 +97,7 @@ IN_PROCESS: dict[str, Callable[[], object]] = {
     "Nothing to train": lambda: DataParallelModel(nn.Linear(2, 2).requires_grad_(False)),
     "Lazy module not materialised": lambda: DataParallelModel(nn.LazyLinear(2)),
     "`device_ids` on a CPU model": lambda: DataParallelModel(nn.Linear(2, 2), device_ids=[0]),
-    "Keyword not implemented": lambda: DataParallelModel(
-        nn.Linear(2, 2), skip_all_reduce_unused_params=True),
-    "Sparse gradients": lambda: DataParallelModel(nn.Embedding(3, 2, sparse=True)),
+    "Option not implemented": lambda: DataParallelModel(nn.Linear(2, 2), dim=1),
     "Bucket size": lambda: DataParallelModel(nn.Linear(2, 2), bucket_cap_mb=-1),
     "A parameter got no gradient": _unused,
     "A gradient arrived twice in one backward": _marked_twice,
