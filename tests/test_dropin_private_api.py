@@ -80,6 +80,15 @@ def _logging(ddp: DDP, ours: DataParallelModel) -> dict[str, Any]:
             "timed": ours._get_ddp_logging_data().get("avg_forward_compute_time", 0) > 0}
 
 
+class _HalfUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
 def _scenarios(ctx) -> dict[str, Any]:
     warnings.simplefilter("ignore")
     out: dict[str, Any] = {}
@@ -97,6 +106,16 @@ def _scenarios(ctx) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (WORLD,))
     out["device_mesh"], _, ours = _train_side_by_side(ctx.rank, device_mesh=mesh)
     out["device_mesh group"] = ours.process_group is mesh.get_group(0)
+    out["error logged"] = []
+    for engine in (DDP, DataParallelModel):  # an unused parameter, without searching for it
+        model = engine(_HalfUsed())
+        try:
+            for _ in range(2):
+                model(torch.randn(2, 3)).sum().backward()
+        except RuntimeError:
+            pass
+        data = model._get_ddp_logging_data()
+        out["error logged"].append((data.get("has_error"), data.get("error", "")))
     out["sampled iteration"] = []
     for forwards in (9, 12, 15):
         iterations = []
@@ -146,3 +165,12 @@ def test_device_mesh_reduces_over_the_mesh_group(results):
 def test_runtime_sample_rate_picks_the_iterations_logged_as_torch(results):
     for r in results:
         assert all(theirs == ours for theirs, ours in r["sampled iteration"]), r
+
+
+@pytest.mark.timeout(260)
+def test_the_last_error_is_logged_as_torch_logs_it(results):
+    sentence = ("Expected to have finished reduction in the prior iteration before starting a "
+                "new one.")
+    for r in results:
+        (torch_flag, torch_error), (our_flag, our_error) = r["error logged"]
+        assert torch_flag == our_flag == 1 and sentence in torch_error and sentence in our_error

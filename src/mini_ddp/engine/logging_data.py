@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +75,15 @@ class RuntimeLog:
 
     def record_error(self, err: BaseException) -> None:
         self.error = str(err)
+
+    @contextmanager
+    def recording_errors(self) -> Iterator[None]:
+        """Remember the text of an error raised inside (DDP's logger keeps the last one)."""
+        try:
+            yield
+        except Exception as err:
+            self.record_error(err)
+            raise
 
 
 def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str, int | str]:

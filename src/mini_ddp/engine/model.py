@@ -227,8 +227,10 @@ class DataParallelModel(nn.Module, Joinable):
             self._runtime_log.forward_started(self.reducer.num_iterations)
             self.reducer.prepare_for_forward()
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
-        if grad_enabled and self.reducer.rebuild_buckets_if_needed():
-            logger.info("mini_ddp: buckets rebuilt in gradient-ready order.")
+        if grad_enabled:
+            with self._runtime_log.recording_errors():  # e.g. an unfinished prior reduction
+                if self.reducer.rebuild_buckets_if_needed():
+                    logger.info("mini_ddp: buckets rebuilt in gradient-ready order.")
         if self.will_sync_module_buffers():
             self.sync_buffers()
         # Join's shadow all-reduces go through Gloo: so does every rank's backward meanwhile.
