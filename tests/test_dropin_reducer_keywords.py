@@ -69,6 +69,8 @@ CASES = {
     "batched-view": ("mlp", {"batched_grad_copy": True, "gradient_as_bucket_view": True,
                              "bucket_cap_mb": 0.001}, False, False),
     "batched-hook": ("mlp", {"batched_grad_copy": True, "bucket_cap_mb": 0.001}, True, True),
+    "batched-static": ("mlp", {"batched_grad_copy": True, "static_graph": True,
+                               "bucket_cap_mb": 0.001}, False, True),
     "batched-find-unused": ("unused", {"batched_grad_copy": True,
                                        "find_unused_parameters": True}, False, True),
 }

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from reducer_parity import train_side_by_side
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import run_ranks
+from mini_ddp import DataParallelModel, run_ranks
 
 
 class Bag(nn.Module):
@@ -35,9 +36,9 @@ def _hook(engine):
     engine.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
-def _run(ctx, kw, hooked):
-    return train_side_by_side(ctx.rank, Bag, _batch, F.cross_entropy, kw, momentum=0.0,
-                              setup=_hook if hooked else None, steps=3)
+def _run(ctx, kw, hooked, ours_kw=None):
+    return train_side_by_side(ctx.rank, Bag, _batch, F.cross_entropy, kw, ours_kw,
+                              momentum=0.0, setup=_hook if hooked else None, steps=3)
 
 
 @pytest.mark.parametrize("kw,hooked", [
@@ -46,7 +47,50 @@ def _run(ctx, kw, hooked):
     ({"gradient_as_bucket_view": True}, False),
     ({}, True),
     ({"find_unused_parameters": True, "bucket_cap_mb": 0.0001}, False),
-], ids=["default", "tiny-cap", "grad-as-bucket-view", "allreduce-hook", "find-unused"])
+    ({"static_graph": True, "bucket_cap_mb": 0.0001}, False),
+    ({"batched_grad_copy": True, "bucket_cap_mb": 0.0001}, False),
+], ids=["default", "tiny-cap", "grad-as-bucket-view", "allreduce-hook", "find-unused",
+        "static-graph", "batched"])
 def test_sparse_embedding_matches_torch(kw, hooked):
     results = run_ranks(_run, 3, args=(kw, hooked), timeout_s=180)
     assert results == [[], [], []], results
+
+
+def test_sparse_embedding_two_ranks_shared_memory_path():
+    # Two ranks on one host: dense buckets may go through shared memory; the sparse one
+    # always goes through Gloo.
+    results = run_ranks(_run, 2, args=({}, False, {"shared_memory_min_bytes": 0}), timeout_s=180)
+    assert results == [[], []], results
+
+
+class Skips(nn.Module):
+    """The sparse embedding is left out of the graph on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(30, 4, sparse=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def _unused_sparse(ctx):
+    out = []
+    for cls in (DDP, DataParallelModel):
+        torch.manual_seed(0)
+        model = cls(Skips(), find_unused_parameters=True)
+        try:
+            model(torch.randn(2, 4)).sum().backward()
+            out.append(None)
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+def test_unused_sparse_parameter_raises_torchs_error():
+    for ref, ours in run_ranks(_unused_sparse, 2, timeout_s=120):
+        assert ref is not None and ours is not None, (ref, ours)
+        assert ref[0] == ours[0] == "RuntimeError", (ref, ours)
+        assert "Expected sparse gradient to be defined." in ref[1]
+        assert "Expected sparse gradient to be defined." in ours[1], ours
