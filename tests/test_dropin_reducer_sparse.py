@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,3 +96,32 @@ def test_unused_sparse_parameter_raises_torchs_error():
         assert ref[0] == ours[0] == "RuntimeError", (ref, ours)
         assert "Expected sparse gradient to be defined." in ref[1]
         assert "Expected sparse gradient to be defined." in ours[1], ours
+
+
+def _uneven(ctx):
+    torch.manual_seed(1000 + ctx.rank)
+    base = Bag()
+    out = []
+    for cls in (DDP, DataParallelModel):
+        model = cls(copy.deepcopy(base))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            with model.join():
+                for step in range(2 + ctx.rank):  # rank 0 runs out first
+                    x, y = _batch(torch.Generator().manual_seed(ctx.rank * 100 + step))
+                    opt.zero_grad()
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+            out.append([p.detach().clone() for p in model.module.parameters()])
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{type(e).__name__}: {e}"[:300])
+    ref, ours = out
+    if isinstance(ref, str) or isinstance(ours, str):
+        return ref if isinstance(ref, str) else None, ours if isinstance(ours, str) else None
+    return [torch.equal(a, b) for a, b in zip(ref, ours, strict=True)]
+
+
+def test_sparse_embedding_with_join():
+    # Uneven inputs: joined ranks shadow the sparse bucket's all-reduce with sparse zeros.
+    for result in run_ranks(_uneven, 3, timeout_s=120):
+        assert result == [True] * 6, result

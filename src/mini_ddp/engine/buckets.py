@@ -185,8 +185,14 @@ class Bucket:
         """
         params = [all_params[i] for i in param_indices]
         if sparse:
-            return cls(index, list(param_indices), params, params[0].new_empty(0), [0], [],
-                       pending=1, sparse=True)
+            # An empty sparse stand-in until the first gradient: join's shadow all-reduce
+            # can send zeros shaped like it before this rank has ever had a gradient.
+            p = params[0]
+            empty = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=p.device),
+                                            p.new_empty(0, *p.shape[1:]), p.shape,
+                                            check_invariants=False)
+            return cls(index, list(param_indices), params, empty, [0], [], pending=1,
+                       sparse=True)
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
