@@ -1,7 +1,7 @@
 """``delay_all_reduce_named_params`` / ``param_to_hook_all_reduce``: torch DDP's delayed all-reduce.
 
 The named parameters leave the reducer (DDP adds their names to the ignored set) and share one
-flat float32 buffer instead. When the gradient of ``param_to_hook_all_reduce`` is computed, a
+flat buffer (default dtype) instead. When the gradient of ``param_to_hook_all_reduce`` is computed, a
 tensor hook divides the whole buffer by the world size and all-reduces it — one collective for
 all of them, issued at that point of backward.
 
@@ -15,12 +15,15 @@ torch DDP's exact semantics, quirks included (each kept for drop-in parity):
   accumulated, so gradients accumulated after it (its own included) race with the
   all-reduce that reads the buffer: pick a hook parameter whose gradient comes last, and
   which is not delayed itself.
-* With every parameter that requires grad delayed, DDP builds no reducer: forward does no buffer broadcast, no
-  bucket bookkeeping, no join notification.
+* With every parameter that requires grad delayed, DDP builds no reducer: forward does no
+  buffer broadcast, no bucket bookkeeping, no join notification, and nothing but the delayed
+  parameters is broadcast at construction. (torch 2.14's own forward then fails with
+  ``AttributeError``; ours runs.) With *every* parameter delayed or ignored, frozen ones
+  included, DDP's device-type check finds none and raises ``ValueError``.
 
 One difference: torch never waits for this all-reduce (its ``.grad`` values land whenever Gloo
-finishes); here the end of backward waits for it, bounded like the bucket waits, so the
-values are there when ``backward()`` returns. Same bits.
+finishes); here the end of backward waits for it, so the values are there when ``backward()``
+returns. Same bits.
 """
 
 from __future__ import annotations

@@ -25,7 +25,10 @@ error. It lives in small named objects: the per-step counters in
 :class:`~mini_ddp.engine.graph_state.BucketLayout`, the unused-parameter search in
 :class:`~mini_ddp.engine.unused.UnusedSearch`. A static graph's first iteration reduces
 everything after backward (:meth:`~Reducer.delay_all_reduce`); join's stand-in backward is in
-:mod:`mini_ddp.engine.join`.
+:mod:`mini_ddp.engine.join`. DDP's variants of step 2: ``batched_grad_copy`` copies a bucket's
+gradients at once when it is full (:mod:`mini_ddp.engine.batched_copy`); a sparse gradient
+*is* its own bucket (:mod:`mini_ddp.engine.sparse`). With ``skip_all_reduce_unused_params``
+step 3 leaves out buckets of unused parameters only.
 """
 
 from __future__ import annotations
