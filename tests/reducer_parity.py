@@ -8,6 +8,7 @@ backward and every parameter and buffer after every optimizer step is compared w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -61,11 +62,12 @@ def train_side_by_side(rank: int, factory: Callable[[], nn.Module],
                        settle: Callable[[], None] | None = None,
                        set_to_none: bool = True, lr: float = 0.05, momentum: float = 0.9,
                        setup: Callable[[nn.Module], None] | None = None,
-                       warmup: bool = False) -> list[str]:
+                       warmup: bool = False, accumulate: int = 1) -> list[str]:
     """Train both engines; return every difference found (empty: bitwise equal).
 
     ``warmup``: one forward/backward first whose gradients are thrown away (no step, no
     comparison) — for a torch behaviour whose first iteration is not reproducible.
+    ``accumulate``: that many micro-batches per step, all but the last under ``no_sync()``.
     """
     torch.manual_seed(1000 + rank)  # deliberately different on each rank
     base = factory()
@@ -86,10 +88,13 @@ def train_side_by_side(rank: int, factory: Callable[[], nn.Module],
             engine.zero_grad(set_to_none=True)
     for step in range(steps):
         g = torch.Generator().manual_seed(rank * 100 + step)
-        x, y = make_batch(g)
+        micro = [make_batch(g) for _ in range(accumulate)]
         for engine, opt in ((ref, opt_ref), (ours, opt_ours)):
             opt.zero_grad(set_to_none=set_to_none)
-            loss_fn(engine(x), y).backward()
+            for i, (x, y) in enumerate(micro):
+                local = engine.no_sync() if i < accumulate - 1 else contextlib.nullcontext()
+                with local:
+                    loss_fn(engine(x), y).backward()
             if settle is not None:
                 settle()
         bad += compare(f"step {step}", ref.module, ours.module, "grad")

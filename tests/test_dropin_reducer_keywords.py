@@ -35,6 +35,19 @@ class Unused(nn.Module):
         return self.head(h)
 
 
+class NeverUsed(nn.Module):
+    """``never`` gets no gradient on any rank, every step (a static graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.never = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.trunk(x)))
+
+
 def _mlp():
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
                          nn.Linear(16, 3))
@@ -48,7 +61,7 @@ def _hook(engine):
     engine.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
-FACTORIES = {"mlp": _mlp, "unused": Unused}
+FACTORIES = {"mlp": _mlp, "unused": Unused, "never": NeverUsed}
 
 
 def _run(ctx, name, kw, hooked, set_to_none):
@@ -64,6 +77,9 @@ CASES = {
     "skip-unused": ("unused", {"skip_all_reduce_unused_params": True,
                                "find_unused_parameters": True, "bucket_cap_mb": 0.0001},
                     False, True),
+    "skip-unused-static": ("never", {"skip_all_reduce_unused_params": True,
+                                     "static_graph": True, "bucket_cap_mb": 0.0001},
+                           False, True),
     "batched": ("mlp", {"batched_grad_copy": True, "bucket_cap_mb": 0.001}, False, True),
     "batched-one-bucket": ("mlp", {"batched_grad_copy": True}, False, True),
     "batched-view": ("mlp", {"batched_grad_copy": True, "gradient_as_bucket_view": True,

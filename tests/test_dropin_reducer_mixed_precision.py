@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from reducer_parity import train_side_by_side
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
-from mini_ddp import run_ranks
+from mini_ddp import DataParallelModel, run_ranks
 
 
 class _NullStream:
@@ -92,3 +93,30 @@ BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 def test_mixed_precision_matches_torch(dtypes, kw):
     results = run_ranks(_run, 3, args=(dtypes, kw), timeout_s=180)
     assert results == [[], [], []], results
+
+
+def _no_sync_then_sync(ctx):
+    """torch 2.14 cannot accumulate under no_sync() with mixed precision: no comm hook runs in
+    the local backward, so the per-forward gradient hooks are never removed and the next
+    forward adds a second set — the synced backward then marks each parameter twice."""
+    _cpu_streams()
+    out = []
+    for cls in (DDP, DataParallelModel):
+        torch.manual_seed(0)
+        model = cls(Net(), mixed_precision=_MixedPrecision(BF16, F32, BF16))
+        x, y = _batch(torch.Generator().manual_seed(ctx.rank))
+        try:
+            with model.no_sync():
+                _loss(model(x), y).backward()
+            _loss(model(x), y).backward()
+            out.append(None)
+        except RuntimeError as e:
+            out.append(str(e))
+    return out
+
+
+def test_mixed_precision_no_sync_fails_as_in_torch():
+    sentence = "Expected to mark a variable ready only once."
+    for ref, ours in run_ranks(_no_sync_then_sync, 2, timeout_s=120):
+        assert ref is not None and sentence in ref, ref
+        assert ours is not None and sentence in ours, ours

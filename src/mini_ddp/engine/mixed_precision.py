@@ -22,8 +22,8 @@ out — on one stream they only order work that already runs in order:
    full precision too.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: register_comm_hook checks the hook's annotations
+# as objects, as torch DDP does.
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -115,7 +115,7 @@ def _fire(state_ref: weakref.ref, index: int, *_grads: Any) -> None:
 
 
 def allreduce_and_upcast_hook(state: MixedPrecisionState, bucket: GradBucket
-                              ) -> torch.futures.Future:
+                              ) -> torch.futures.Future[torch.Tensor]:
     """Step 4: reduce in ``reduce_dtype``, divide, restore full precision (torch's hook)."""
     # DDP casts when param_dtype != reduce_dtype, its buckets being param_dtype. Ours stay
     # in the parameters' full precision, which holds param_dtype values exactly: casting
