@@ -75,8 +75,15 @@ def test_config_limits_follow_ddp():
     assert explicit.rebuild_size_limits() == [2 * 2**20, 2 * 2**20]
     unused = DataParallelConfig(find_unused_parameters=True)
     assert unused.initial_size_limits() == [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
-    with pytest.raises(ValueError, match="bucket_cap_mb"):
-        DataParallelConfig(bucket_cap_mb=0)
+    # torch DDP accepts caps of zero and below: zero closes a bucket after every parameter,
+    # a negative cap wraps around (size_t) to one bucket per dtype.
+    params = [torch.zeros(3), torch.zeros(5), torch.zeros(2)]
+    zero = DataParallelConfig(bucket_cap_mb=0, find_unused_parameters=True)
+    assert assign_buckets(params, zero.initial_size_limits()) == [[0], [1], [2]]
+    assert assign_buckets(params, zero.initial_size_limits()) == [
+        list(b) for b in dist._compute_bucket_assignment_by_size(params, [0])[0]]
+    negative = DataParallelConfig(bucket_cap_mb=-1, find_unused_parameters=True)
+    assert assign_buckets(params, negative.initial_size_limits()) == [[0, 1, 2]]
 
 
 def test_views_alias_the_flat_buffer_with_the_parameters_strides():

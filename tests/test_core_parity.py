@@ -171,7 +171,9 @@ def test_resnet18_batchnorm_buffers():
     _assert_parity(3, "resnet18", {"bucket_cap_mb": 1}, steps=2, batch=2)
 
 
-@pytest.mark.parametrize("cap", [None, 0.001])
+# 0 and -1 are accepted by torch DDP: a zero cap closes a bucket after every parameter, a
+# negative one wraps around to "unlimited" in its C++ reducer.
+@pytest.mark.parametrize("cap", [None, 0.001, 0, -1])
 def test_mlp_default_and_tiny_cap(cap):
     _assert_parity(3, "mlp", {"bucket_cap_mb": cap}, steps=4)
 

@@ -98,7 +98,6 @@ IN_PROCESS: dict[str, Callable[[], object]] = {
     "Lazy module not materialised": lambda: DataParallelModel(nn.LazyLinear(2)),
     "`device_ids` on a CPU model": lambda: DataParallelModel(nn.Linear(2, 2), device_ids=[0]),
     "Option not implemented": lambda: DataParallelModel(nn.Linear(2, 2), dim=1),
-    "Bucket size": lambda: DataParallelModel(nn.Linear(2, 2), bucket_cap_mb=-1),
     "A parameter got no gradient": _unused,
     "A gradient arrived twice in one backward": _marked_twice,
     "Backward twice on one forward": _backward_twice,

@@ -6,7 +6,7 @@ test compares the outcomes.
 """
 
 # No ``from __future__ import annotations``: torch DDP refuses string annotations on hooks
-# (we accept them), and the annotation cases below must be real types.
+# (and so do we), and the annotation cases below must be real types.
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +34,15 @@ def _bad_bucket_annotation(state: object, bucket: int) -> torch.futures.Future: 
 
 
 def _bad_return_annotation(state: object, bucket: dist.GradBucket) -> int:  # noqa: ARG001
+    raise AssertionError("never called")
+
+
+def _string_annotated(state: "object", bucket: "dist.GradBucket"  # noqa: ARG001
+                      ) -> "torch.futures.Future[torch.Tensor]":
+    raise AssertionError("never called")
+
+
+def _bare_future(state: object, bucket: dist.GradBucket) -> torch.futures.Future:  # noqa: ARG001
     raise AssertionError("never called")
 
 
@@ -80,6 +89,10 @@ CASES: dict[str, Callable[[Callable[..., nn.Module]], Any]] = {
         None, _bad_bucket_annotation),
     "hook return annotation": lambda e: e(nn.Linear(3, 3)).register_comm_hook(
         None, _bad_return_annotation),
+    "hook with string annotations": lambda e: e(nn.Linear(3, 3)).register_comm_hook(
+        None, _string_annotated),
+    "hook returning a bare Future": lambda e: e(nn.Linear(3, 3)).register_comm_hook(
+        None, _bare_future),
     "two comm hooks": _hook_twice,
     "builtin hook after a hook": _builtin_after_hook,
     "logging sample rate 0": lambda e: e(nn.Linear(3, 3))._set_ddp_runtime_logging_sample_rate(0),

@@ -45,7 +45,9 @@ class MarkedTwiceError(MiniDDPError):
                 "or accumulate on purpose inside model.no_sync().")
             return
         super().__init__(
-            f"mini_ddp: Expected to mark a variable ready only once: parameter '{name}' "
+            # torch's C++ reducer opens with this sentence (a RuntimeError); ours adds the name.
+            "Expected to mark a variable ready only once. "
+            f"mini_ddp: parameter '{name}' "
             f"(index {index}) received a second gradient in the same backward on rank {rank}. "
             "Typical causes: the parameter is used in several reentrant backward passes "
             "(activation checkpointing with use_reentrant=True), it is shared by several "

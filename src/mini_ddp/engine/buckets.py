@@ -69,6 +69,9 @@ def assign_buckets(
     """
     if not params:
         raise ValueError("assign_buckets needs at least one parameter")
+    # torch's C++ reducer holds the caps as size_t: a negative ``bucket_cap_mb`` (which torch
+    # DDP accepts) wraps around to a huge cap, i.e. one bucket per dtype/device.
+    size_limits = [limit % (1 << 64) for limit in size_limits]
     visit = list(range(len(params))) if order is None else list(order)
     result: list[list[int]] = []
     open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}

@@ -115,8 +115,6 @@ class DataParallelConfig:
     def __post_init__(self) -> None:
         if self.bucket_cap_mb_list:
             self.bucket_cap_mb = max(self.bucket_cap_mb_list)  # what DDP reports as the cap
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise ValueError(f"mini_ddp: bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         if self.first_bucket_bytes is None:
             self.first_bucket_bytes = (dist._DEFAULT_FIRST_BUCKET_BYTES
                                        if self.bucket_cap_mb is None else self.bucket_bytes_cap)

@@ -162,14 +162,14 @@ def check_comm_hook(hook: object) -> None:
         raise TypeError(f"mini_ddp: communication hook {name} must take two arguments "
                         f"(state, bucket); its signature is {name}{sig}")
     bucket_param = sig.parameters.get("bucket", positional[1] if len(positional) > 1 else None)
+    # torch compares the annotation objects themselves, so string annotations (a file with
+    # ``from __future__ import annotations``) and a bare ``Future`` are refused there; so here.
     if bucket_param is not None and bucket_param.annotation not in (
-            inspect.Parameter.empty, dist.GradBucket, GradBucket, "dist.GradBucket",
-            "GradBucket"):
+            inspect.Parameter.empty, dist.GradBucket, GradBucket):
         raise ValueError(f"Communication hook: bucket annotation should be dist.GradBucket. "
                          f"(mini_ddp: {name} has {bucket_param.annotation!r})")
-    if sig.return_annotation not in (inspect.Signature.empty, torch.futures.Future,
-                                     torch.futures.Future[torch.Tensor]) \
-            and not isinstance(sig.return_annotation, str):
+    if sig.return_annotation not in (inspect.Signature.empty,
+                                     torch.futures.Future[torch.Tensor]):
         raise ValueError("Communication hook: return annotation should be "
                          f"torch.futures.Future[torch.Tensor]. (mini_ddp: {name} has "
                          f"{sig.return_annotation!r})")
