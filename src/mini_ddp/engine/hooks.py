@@ -1,12 +1,15 @@
-"""The one door every collective goes through: communication hooks.
+"""Communication hooks: how a full bucket is reduced, and the checks around them.
 
-The reducer never calls ``dist.all_reduce`` itself. It hands each full bucket, wrapped in a
-:class:`GradBucket` (the same interface as torch's ``dist.GradBucket``), to a hook
-``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``. Without a user hook it uses
-:func:`allreduce_sum_hook`, which — together with the reducer's pre-scaling by
-``1/world_size`` while copying gradients in — is exactly what torch DDP does by default.
-torch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, PowerSGD, …) and
-ours (``mini_ddp.transport.collectives.collective_hook``) therefore all enter by the same door.
+The reducer hands each full bucket, wrapped in a :class:`GradBucket` (the same interface as
+torch's ``dist.GradBucket``), to :func:`launch_hook`, which calls the user's hook
+``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` or, without one,
+:func:`allreduce_sum_hook` — together with the reducer's pre-scaling by ``1/world_size`` while
+copying gradients in, exactly what torch DDP does by default. torch's own hooks
+(``default_hooks.allreduce_hook``, ``fp16_compress_hook``, PowerSGD, …) and ours
+(``mini_ddp.transport.collectives.collective_hook``) all enter here. Two reductions do not:
+with two CPU ranks on one host and no hook, big buckets are summed through shared memory
+(:mod:`mini_ddp.transport.shm`, same bits), and with ``find_unused_parameters`` the reducer
+all-reduces its used-parameter map itself, as torch's reducer does.
 
 Some of torch's hooks launch a collective from inside a ``.then()`` callback and ``.wait()`` on
 it there (PowerSGD, the quantization hooks). On Gloo that callback runs on one of the process

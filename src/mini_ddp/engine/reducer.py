@@ -93,8 +93,9 @@ class Reducer:
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
         self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
-        # The stall watchdog (mini_ddp.observe.watchdog): on_stall(reducer, bucket, error) is called
-        # once a wait passes stall_after_s (error None) and when a collective fails.
+        # The stall seam: on_stall(reducer, bucket, error) is called once a wait passes
+        # stall_after_s (error None) and when a collective fails. The model installs the default
+        # warning there (mini_ddp.engine.stall); mini_ddp.observe.watchdog replaces it.
         self.on_stall: OnStall | None = None
         self.stall_after_s: float | None = None
         # Two ranks on one host: big float buckets live in shared memory and are summed there.
