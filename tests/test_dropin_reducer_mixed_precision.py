@@ -120,3 +120,17 @@ def test_mixed_precision_no_sync_fails_as_in_torch():
     for ref, ours in run_ranks(_no_sync_then_sync, 2, timeout_s=120):
         assert ref is not None and sentence in ref, ref
         assert ours is not None and sentence in ours, ours
+
+
+def _with_bucket_view(ctx):
+    try:
+        DataParallelModel(Net(), mixed_precision=_MixedPrecision(BF16, F32, BF16),
+                          gradient_as_bucket_view=True)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_mixed_precision_with_gradient_as_bucket_view_is_refused():
+    for message in run_ranks(_with_bucket_view, 1, timeout_s=60):
+        assert message is not None and "gradient_as_bucket_view" in message, message

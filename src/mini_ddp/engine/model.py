@@ -171,6 +171,9 @@ class DataParallelModel(nn.Module, Joinable):
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:  # torch's sequence: see mini_ddp.engine.mixed_precision
             logger.warning("Received mixed precision config %s", mixed_precision)
+            if gradient_as_bucket_view:  # DDP's hook swaps .grad's data out of the bucket
+                raise NotImplementedError("mini_ddp: mixed_precision with "
+                                          "gradient_as_bucket_view=True is not supported")
             self.reducer.zero_copy = False  # .grad must stay the full-precision tensor
             self.register_comm_hook(mixed_precision_setup(
                 module, [p for _, p in named], mixed_precision, self.process_group,
