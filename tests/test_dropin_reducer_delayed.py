@@ -130,3 +130,23 @@ def test_only_one_keyword_raises_torchs_value_error():
     (ref, ours), *_ = run_ranks(_only_one_given, 1, timeout_s=60)
     assert ref[0] is ours[0] is ValueError
     assert ref[1] in ours[1]
+
+
+def _deepcopy_keeps_reducing(ctx):
+    torch.manual_seed(1000 + ctx.rank)
+    m = Net()
+    copied = copy.deepcopy(DataParallelModel(
+        m, delay_all_reduce_named_params=list(m.b.named_parameters(prefix="b")),
+        param_to_hook_all_reduce=m.a.weight))
+    x, y = _batch(torch.Generator().manual_seed(ctx.rank))
+    F.cross_entropy(copied(x), y).backward()
+    grad = copied.module.b.weight.grad.clone()
+    everyone = [torch.empty_like(grad) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, grad)
+    return all(torch.equal(everyone[0], g) for g in everyone)
+
+
+def test_deepcopy_of_a_delayed_model_keeps_reducing():
+    # torch DDP's copy loses the tensor hook (its delayed parameters then stay local); ours
+    # hooks the copied parameter again.
+    assert run_ranks(_deepcopy_keeps_reducing, 3, timeout_s=120) == [True] * 3

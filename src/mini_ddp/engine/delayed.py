@@ -59,6 +59,7 @@ class DelayedAllReduce:
             DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
         dist._broadcast_coalesced(group, [p.detach() for p in self.params],
                                   int(cap * MIB) // MIB, 0)
+        self.hook_param = hook_param
         hook_param.register_hook(self._on_hook_param_grad)
         self.views, offset = [], 0
         for param in self.params:
@@ -70,6 +71,21 @@ class DelayedAllReduce:
             p.requires_grad and f"{mname}.{pname}" not in ignored
             for mname, sub in module.named_modules()
             for pname, p in sub.named_parameters(recurse=False))
+
+    def __getstate__(self) -> dict:
+        # A process group cannot be pickled: as the model, a copy reduces over the default
+        # group of the process that loads it (copy.deepcopy, torch.save of the whole model).
+        state = dict(self.__dict__)
+        state.pop("group")
+        state["work"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.group = dist.group.WORLD
+        # A copied parameter does not keep its tensor hooks: hook the copy again. (torch
+        # DDP does not, so its copies stop reducing the delayed parameters.)
+        self.hook_param.register_hook(self._on_hook_param_grad)
 
     def _on_hook_param_grad(self, grad: torch.Tensor) -> torch.Tensor:
         self.buffer.div_(dist.get_world_size(self.group))
