@@ -149,15 +149,6 @@ def test_every_entry_has_a_trigger():
     assert set(_entries()) == set(IN_PROCESS) | set(TWO_RANKS) | {NOT_INITIALISED}
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_not_initialised_entry():
     assert not dist.is_initialized()
     kind, text = _entries()[NOT_INITIALISED]

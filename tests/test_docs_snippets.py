@@ -15,7 +15,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from docs_snippets import DOCS, block_containing, code_blocks
 from torch import nn
 
@@ -41,15 +40,6 @@ def test_snippet_compiles_and_its_mini_ddp_imports_exist(page, index, block):
             for alias in node.names:
                 if alias.name.startswith("mini_ddp"):
                     importlib.import_module(alias.name)
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _net() -> nn.Module:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp.engine.buckets import DEFAULT_BUCKET_CAP_MB, MIB, assign_buckets
+from mini_ddp.ladder.naive import broadcast_from_rank0
 
 FIRST_BUCKET_MB = 1  # DDP's first_bucket_bytes_cap: a small first bucket, sent early
 
@@ -64,10 +65,7 @@ class BucketedDataParallel(nn.Module):
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():  # start from rank 0's model, as in rung 1
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, src=src, group=group)
+        broadcast_from_rank0(module, group)  # start from rank 0's model, as in rung 1
         self.params = [p for p in module.parameters() if p.requires_grad]
         # assign_buckets walks the parameters in definition order; reversing the list of
         # buckets puts the last layers (whose gradients backward produces first) in bucket 0.

@@ -33,6 +33,15 @@ import torch.distributed as dist
 from torch import nn
 
 
+def broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Start from one model: every rank takes rank 0's parameters and buffers, as DDP does in
+    its constructor. (Each rank may have initialised its copy with a different seed.)"""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=src, group=group)
+
+
 class NaiveDataParallel(nn.Module):
     """Wrap ``module``; call :meth:`sync_grads` between ``backward()`` and the optimizer step."""
 
@@ -41,12 +50,7 @@ class NaiveDataParallel(nn.Module):
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
-        # Start from one model: every rank takes rank 0's parameters and buffers, as DDP does
-        # in its constructor. (Each rank may have initialised its copy with a different seed.)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, src=src, group=group)
+        broadcast_from_rank0(module, group)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Just the wrapped module's forward: all the work happens in :meth:`sync_grads`."""

@@ -35,6 +35,7 @@ from torch import nn
 
 from mini_ddp.engine.buckets import agree_on_layout, assign_buckets
 from mini_ddp.ladder.bucketed import flat_buckets, size_limits
+from mini_ddp.ladder.naive import broadcast_from_rank0
 
 
 class OverlappedDataParallel(nn.Module):
@@ -46,10 +47,7 @@ class OverlappedDataParallel(nn.Module):
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():  # start from rank 0's model, as in rung 1
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, src=src, group=group)
+        broadcast_from_rank0(module, group)  # start from rank 0's model, as in rung 1
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.limits = size_limits(bucket_cap_mb)
         # Iteration 1: one bucket per dtype/device (no cap), as DDP does before it knows the
