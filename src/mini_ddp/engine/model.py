@@ -2,7 +2,10 @@
 
 This module owns what happens *around* the module's forward: argument checks, the start-up
 sync, the per-forward bookkeeping (bucket rebuild, buffer broadcast, arming the reducer for
-backward), ``no_sync()`` and the comm-hook registration. How gradients are bucketed and
+backward) and ``no_sync()``. The model's other faces are mixins, one concept each:
+comm-hook registration (:mod:`.comm_hook_registration`), torch DDP's semi-private API
+(:mod:`.ddp_private_api`) and the ``Join`` protocol (:mod:`.joinable`); the output sink
+forward routes its outputs through is :mod:`.output_sink`. How gradients are bucketed and
 reduced is the reducer's business (:mod:`mini_ddp.engine.reducer`).
 """
 
@@ -13,31 +16,27 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable
 from torch.utils import _pytree as pytree
 
 from mini_ddp.engine import construction, pickling
 from mini_ddp.engine import join as joining
 from mini_ddp.engine.comm import dist_broadcast_coalesced, verify_params_across_ranks
+from mini_ddp.engine.comm_hook_registration import CommHookRegistration
 from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.engine.ddp_private_api import STATIC_AND_FIND_UNUSED, TorchDDPPrivateAPI
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
-from mini_ddp.engine.hooks import (
-    CommHook,
-    builtin_comm_hook,
-    check_comm_hook,
-    hook_name,
-    prepare_comm_hook,
-)
-from mini_ddp.engine.logging_data import RuntimeLog, logging_data
+from mini_ddp.engine.joinable import JoinableModel
+from mini_ddp.engine.logging_data import RuntimeLog
 from mini_ddp.engine.mixed_precision import allreduce_and_upcast_hook, cast_inputs
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
+from mini_ddp.engine.output_sink import find_tensors, through_sink
 from mini_ddp.engine.reducer import Reducer
 from mini_ddp.engine.sparse import expect_sparse_gradients
 from mini_ddp.engine.stall import StallMonitor
@@ -46,19 +45,9 @@ from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 logger = logging.getLogger("mini_ddp")
 
-# torch's C++ reducer words it in the order of the call that comes second.
-TWO_HOOKS = "register_comm_hook or register_builtin_comm_hook can only be called once."
-TWO_HOOKS_BUILTIN = "register_builtin_comm_hook or register_comm_hook can only be called once."
-STATIC_AND_FIND_UNUSED = (
-    "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
-    "will detect unused parameters automatically, so you do not need to set "
-    "find_unused_parameters=true, just be sure these unused parameters will not change during "
-    "training loop while calling `_set_static_graph`.")
-STATIC_GRAPH_LATE = ("set_static_graph() should be called before training loop starts and "
-                     "after DistributedDataParallel is constructed.")
 
-
-class DataParallelModel(nn.Module, Joinable):
+class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel, nn.Module,
+                        Joinable):
     """Synchronise gradients of ``module`` across processes, exactly like torch DDP.
 
     Same constructor arguments, same semantics and — on the default path — the same bits as
@@ -249,14 +238,14 @@ class DataParallelModel(nn.Module, Joinable):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             search = self.find_unused_parameters and not self.static_graph
-            self.reducer.prepare_for_backward(_find_tensors(output) if search else [])
+            self.reducer.prepare_for_backward(find_tensors(output) if search else [])
         else:
             self.require_forward_param_sync = False
             if torch.is_grad_enabled():  # no_sync(): this forward's backward is local by design
                 self.reducer.local_backward_follows()
         if (self.find_unused_parameters and not self.static_graph) or (
                 self.static_graph and not self._delay_all_reduce_enqueued):
-            output = self._through_sink(output)
+            output = through_sink(output, self._on_outputs_backward)
         if self.delayed is not None:
             self.delayed.point_grads_at_buffer()
         self._runtime_log.forward_finished()
@@ -264,14 +253,12 @@ class DataParallelModel(nn.Module, Joinable):
             trace.record("forward_end")
         return output
 
-    def _through_sink(self, output: Any) -> Any:
-        """Route every output tensor through :class:`_OutputSink` (see there for why)."""
-        leaves, spec = pytree.tree_flatten(output)
-        passed = _OutputSink.apply(weakref.ref(self), *leaves)
-        # Tensors that are not part of a graph stay as they were (DDP does the same).
-        merged = [leaf if isinstance(leaf, torch.Tensor) and leaf.grad_fn is None else new
-                  for leaf, new in zip(leaves, passed, strict=True)]
-        return pytree.tree_unflatten(merged, spec)
+    def _on_outputs_backward(self) -> None:
+        """The output sink's backward: with a static graph, queue the iteration-1 reduction
+        once, to run after all hooks (see :mod:`mini_ddp.engine.output_sink`)."""
+        if self.static_graph and not self._delay_all_reduce_enqueued:
+            Variable._execution_engine.queue_callback(self.reducer.delay_all_reduce)
+            self._delay_all_reduce_enqueued = True
 
     def will_sync_module_buffers(self) -> bool:
         """True when this forward will broadcast rank 0's buffers first."""
@@ -311,151 +298,3 @@ class DataParallelModel(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """Context manager for uneven inputs across ranks, as torch DDP's ``join``.
-
-        Ranks that run out of batches shadow the others' collectives until all are done; the
-        last rank to finish then broadcasts its model. Gradients are divided by the initial
-        world size, or by the number of ranks still training when
-        ``divide_by_initial_world_size=False``. With ``throw_on_early_termination=True`` every
-        rank raises as soon as one runs out. Equivalent to ``Join([model], ...)``; see
-        :mod:`mini_ddp.engine.join`.
-        """
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The :class:`~torch.distributed.algorithms.join.Joinable` hook (``Join`` calls it)."""
-        return joining.DataParallelJoinHook(
-            self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        """Device of the join protocol's own all-reduces."""
-        return self.device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """Process group of the join protocol's own all-reduces."""
-        return self.process_group
-
-    def register_comm_hook(self, state: object, hook: CommHook) -> None:
-        """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``.
-
-        Same contract as torch DDP, so torch's own hooks (``default_hooks.allreduce_hook``,
-        ``fp16_compress_hook``, PowerSGD, …) run unchanged. The hook must average the
-        gradients itself: with a hook, gradients are copied into buckets unscaled.
-
-        On Gloo, torch's PowerSGD and quantization hooks are wrapped in
-        :func:`mini_ddp.engine.hooks.gloo_safe` (each bucket finishes before the next starts): as
-        they are, they deadlock there, in torch DDP too. See docs/comm_hooks.md.
-        """
-        try:
-            check_comm_hook(hook)
-        except (TypeError, ValueError) as err:
-            self._runtime_log.record_error(err)
-            raise
-        self._install_comm_hook(state, hook, hook_name(hook), TWO_HOOKS)
-
-    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
-        """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``,
-        ``FP16_COMPRESS``), run as the equivalent Python hooks of torch's ``default_hooks``
-        (same operations, same bits; see :func:`mini_ddp.engine.hooks.builtin_comm_hook`)."""
-        self._install_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type),
-                                str(comm_hook_type), TWO_HOOKS_BUILTIN)
-
-    def _install_comm_hook(self, state: object, hook: CommHook, name: str, twice: str
-                           ) -> None:
-        if self._comm_hook_registered:
-            err = RuntimeError(f"{twice} (mini_ddp: {name} cannot replace "
-                               f"{self._comm_hook_name}, registered before)")
-            self._runtime_log.record_error(err)
-            raise err
-        self._comm_hook_registered = True
-        self._comm_hook_name = name
-        self.reducer.comm_hook = prepare_comm_hook(hook, state, self.process_group, self.device,
-                                                   self.config.sync_timeout_s)
-        self.reducer.comm_hook_state = state
-
-    # ---- torch DDP's semi-private API (used by real code and torch's own tests) -----------
-    def _set_static_graph(self) -> None:
-        """Switch to ``static_graph=True`` after construction, before the first forward."""
-        if self.static_graph:
-            warnings.warn("You've set static_graph to be True, no need to set it again.",
-                          stacklevel=2)
-            return
-        if self.reducer.num_iterations != 0:
-            err = RuntimeError(f"{STATIC_GRAPH_LATE} (mini_ddp: {self.reducer.num_iterations} "
-                               "iterations have run)")
-            self._runtime_log.record_error(err)
-            raise err
-        self.static_graph = self.config.static_graph = True
-        # Nothing has run yet: a fresh reducer takes the static-graph rules from the start
-        # (first-iteration layout, no zero-copy write-back), keeping a registered hook.
-        hook, state, name = self.reducer.comm_hook, self.reducer.comm_hook_state, \
-            self._comm_hook_name
-        self._attach_reducer(list(zip(self.reducer.names, self.reducer.params, strict=True)))
-        if hook is not None:
-            self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
-            self._comm_hook_registered, self._comm_hook_name = True, name
-        if self.find_unused_parameters:
-            warnings.warn(STATIC_AND_FIND_UNUSED, stacklevel=2)
-
-    def _get_ddp_logging_data(self) -> dict[str, int | str]:
-        """torch DDP's debugging dict (same keys, meanings and types where we know them; see
-        :mod:`mini_ddp.engine.logging_data`)."""
-        return logging_data(self, self._runtime_log, self._comm_hook_name)
-
-    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        """Sample runtime statistics every ``sample_rate`` iterations after the first ten."""
-        try:
-            self._runtime_log.set_sample_rate(sample_rate)
-        except ValueError as err:
-            self._runtime_log.record_error(err)
-            raise
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]
-                                                    ) -> None:
-        """Exclude parameters/buffers by name from syncing (DDP's static method of this name)."""
-        module._ddp_params_and_buffers_to_ignore = names
-
-
-class _OutputSink(torch.autograd.Function):
-    """Identity on the forward outputs whose backward runs before any parameter gradient.
-
-    With ``find_unused_parameters`` it keeps undefined gradients undefined
-    (``set_materialize_grads(False)``): an output left out of the loss then sends *no*
-    gradient into its subgraph, whose parameters' hooks still fire — marked ready with zeros
-    and kept as globally unused, as in DDP. With ``static_graph`` its backward queues the
-    iteration-1 reduction, which must run after all hooks.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, model_ref: weakref.ref, *outputs: Any) -> tuple:
-        ctx.set_materialize_grads(False)
-        ctx.model_ref = model_ref
-        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        model = ctx.model_ref()
-        if model is not None and model.static_graph and not model._delay_all_reduce_enqueued:
-            Variable._execution_engine.queue_callback(model.reducer.delay_all_reduce)
-            model._delay_all_reduce_enqueued = True
-        return (None, *grads)
-
-
-def _find_tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in an output: tensors, lists/tuples (namedtuples), dicts, dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _find_tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _find_tensors(item)]
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in fields(obj) for t in _find_tensors(getattr(obj, f.name))]
-    return []
