@@ -20,23 +20,22 @@ Follow one gradient through a step:
    before the next backward writes into the bucket (at step 1).
 
 The bookkeeping mirrors torch's C++ reducer (``reducer.cpp``) wherever it changes a value or an
-error. It lives in small named objects: the per-step counters in
-:class:`~mini_ddp.engine.step_state.StepState`, the buckets and their one-time rebuild in
-:class:`~mini_ddp.engine.graph_state.BucketLayout`, the unused-parameter search in
-:class:`~mini_ddp.engine.unused.UnusedSearch`. A static graph's first iteration reduces
-everything after backward (:meth:`~Reducer.delay_all_reduce`); join's stand-in backward is in
-:mod:`mini_ddp.engine.join`. DDP's variants of step 2: ``batched_grad_copy`` copies a bucket's
-gradients at once when it is full (:mod:`mini_ddp.engine.batched_copy`); a sparse gradient
-*is* its own bucket (:mod:`mini_ddp.engine.sparse`). With ``skip_all_reduce_unused_params``
-step 3 leaves out buckets of unused parameters only.
+error. It lives in :class:`~mini_ddp.engine.reducer_state.ReducerState`, this class's base (the
+views observers read, the per-step calls that touch no gradient), and in small named objects:
+the per-step counters in :class:`~mini_ddp.engine.step_state.StepState`, the buckets and their
+one-time rebuild in :class:`~mini_ddp.engine.graph_state.BucketLayout`, the unused-parameter
+search in :class:`~mini_ddp.engine.unused.UnusedSearch`. A static graph's first iteration
+reduces everything after backward (:meth:`~Reducer.delay_all_reduce`); join's stand-in backward
+is in :mod:`mini_ddp.engine.join`. DDP's variants of steps 2 and 3 — ``batched_grad_copy``, a
+sparse gradient that *is* its own bucket, ``skip_all_reduce_unused_params`` leaving out buckets
+of unused parameters only — are routed in :mod:`mini_ddp.engine.grad_routing`.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,31 +44,14 @@ from torch.autograd import Variable
 
 from mini_ddp.engine import buckets as bucketing
 from mini_ddp.engine import writeback
-from mini_ddp.engine.batched_copy import flush, note_grad
 from mini_ddp.engine.bucket_wait import wait_for_collective
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.copy_in import copy_grad_in, scale_tensor
-from mini_ddp.engine.graph_state import BucketLayout
-from mini_ddp.engine.hooks import (
-    CommHook,
-    GradBucket,
-    allreduce_sum_hook,
-    launch_hook,
-    result_tensor,
-)
-from mini_ddp.engine.sparse import sparse_grad_in, sparse_write_back
-from mini_ddp.engine.step_state import StepState
-from mini_ddp.engine.unused import UnusedSearch
-from mini_ddp.errors import (
-    GradSyncTimeout,
-    MarkedTwiceError,
-    UnfinishedReductionError,
-    describe_bucket,
-    naming_collective,
-)
+from mini_ddp.engine.grad_routing import flush_if_batched, grad_into_bucket, skipped
+from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook, result_tensor
+from mini_ddp.engine.reducer_state import ReducerState
+from mini_ddp.engine.sparse import sparse_write_back
+from mini_ddp.errors import GradSyncTimeout, MarkedTwiceError, describe_bucket, naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
-
-OnStall = Callable[[Any, "bucketing.Bucket | None", "BaseException | None"], None]
 
 
 def _grad_accumulator(param: torch.Tensor) -> Any:
@@ -77,40 +59,13 @@ def _grad_accumulator(param: torch.Tensor) -> Any:
     return param.view_as(param).grad_fn.next_functions[0][0]
 
 
-class Reducer:
+class Reducer(ReducerState):
     """Hooks and the hook -> bucket -> launch -> wait -> write-back path of one model."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
                  transport: SharedMemoryAllreduce | None = None):
-        self.params = list(params)
-        self.names = list(names)
-        self.group = group
-        self.config = config
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.div_factor = self.world_size  # what gradients are averaged over (join may change it)
-        self.comm_hook: CommHook | None = None
-        self.comm_hook_state: Any = None
-        self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
-        # The stall seam: on_stall(reducer, bucket, error) is called once a wait passes
-        # stall_after_s (error None) and when a collective fails. The model installs the default
-        # warning there (mini_ddp.engine.stall); mini_ddp.observe.watchdog replaces it.
-        self.on_stall: OnStall | None = None
-        self.stall_after_s: float | None = None
-        # Two ranks on one host: big float buckets live in shared memory and are summed there.
-        self.transport = transport
-        self.use_transport = transport is not None  # off while Join runs (model.forward)
-        # Zero-copy write-back: after the all-reduce, .grad becomes the bucket's view instead of
-        # a copy of it (writeback.hand_out). Only on the plain path; the unused-parameter paths
-        # and gradient_as_bucket_view keep their own rules, which are DDP's.
-        self.zero_copy = (config.zero_copy_write_back and not config.gradient_as_bucket_view
-                          and not config.find_unused_parameters and not config.static_graph)
-        self.layout = BucketLayout(self.params, self.names, config, group, self.rank, transport)
-        self.step = StepState(len(self.params))
-        self.unused_search = UnusedSearch(len(self.params), self.params[0].device, config,
-                                          group, self.rank)
-        self._lock = threading.Lock()
+        super().__init__(params, names, group, config, transport)
         # Hooks go on the AccumulateGrad nodes, not on the tensors: such a post-hook fires even
         # when the incoming gradient is undefined (an output unused in the loss), which is how
         # DDP tells "used but got no gradient" apart from "never reached".
@@ -119,37 +74,11 @@ class Reducer:
         for index, acc in enumerate(self._accumulators):
             acc.register_hook(functools.partial(_hook_trampoline, me, index))
 
-    @property
-    def div_factor(self) -> int:
-        """What gradients are averaged over: the world size, unless ``join`` changes it."""
-        return self._div_factor
-
-    @div_factor.setter
-    def div_factor(self, value: int) -> None:
-        self._div_factor = value
-        self._scale = scale_tensor(value)
-
-    # Read-only views of the state objects, for the observers (explain, watchdog, desync).
-    buckets = property(lambda self: self.layout.buckets, doc="The current buckets.")
-    locator = property(lambda self: self.layout.locator, doc="Param -> (bucket, position).")
-    layout_history = property(lambda self: self.layout.history, doc="Layouts, oldest first.")
-    has_rebuilt = property(lambda self: self.layout.has_rebuilt, doc="Rebuilt once already.")
-    rebuild_order = property(lambda self: self.layout.rebuild_order, doc="Recorded order.")
-    num_iterations = property(lambda self: self.step.num_iterations, doc="Synced forwards.")
-    next_bucket = property(lambda self: self.step.next_bucket, doc="Next bucket to launch.")
-    ready = property(lambda self: self.step.ready, doc="Parameters ready this iteration.")
-    require_finalize = property(lambda self: self.step.require_finalize,
-                                doc="Some gradient was marked ready and not yet finished.")
-
     def _through_transport(self, bucket: bucketing.Bucket) -> bool:
         """Is this step's all-reduce of ``bucket`` the shared-memory one (not Gloo's)?"""
         return self.use_transport and not bucket.sparse and self.transport.owns(bucket.buffer)
 
     # ---- per-step state ------------------------------------------------------------------
-    def prepare_for_forward(self) -> None:
-        """Count a synced forward (static graphs behave differently in iteration 1)."""
-        self.step.num_iterations += 1
-
     def rebuild_buckets_if_needed(self) -> bool:
         """Before a forward: check the last backward finished; rebuild buckets once."""
         self.ensure_prior_reduction_finished()
@@ -163,17 +92,6 @@ class Reducer:
         self.layout.arm()
         if self.unused_search.dynamic:
             self.unused_search.search(self._accumulators, outputs)
-
-    def local_backward_follows(self) -> None:
-        """This forward's backward is local by design (``no_sync()``): no sync expected."""
-        self.step.synced_this_step = False
-
-    def ensure_prior_reduction_finished(self) -> None:
-        """Raise, naming the parameters, if the last backward left gradients unreduced."""
-        if not self.step.require_finalize:
-            return
-        missing = self.step.missing()
-        raise UnfinishedReductionError(self.rank, [self.names[i] for i in missing], missing)
 
     # ---- 1. hook -------------------------------------------------------------------------
     def on_grad_accumulated(self, index: int) -> None:
@@ -226,8 +144,8 @@ class Reducer:
         self._copy_in(bucket, position)
         bucket.pending -= 1
         if bucket.pending == 0:
-            if self.config.batched_grad_copy:
-                self._flush(bucket)
+            flush_if_batched(bucket, self.config, hooked=self.comm_hook is not None,
+                             div_factor=self.div_factor)
             if self.trace is not None:
                 self.trace.record("bucket_ready", bucket=bucket_index)
             self.start_grad_sync(bucket_index)
@@ -238,19 +156,9 @@ class Reducer:
                 Variable._execution_engine.queue_callback(self.finish_grad_sync)
 
     def _copy_in(self, bucket: bucketing.Bucket, position: int) -> None:
-        hooked = self.comm_hook is not None
-        if bucket.sparse:  # the sparse .grad becomes the bucket (mini_ddp.engine.sparse)
-            sparse_grad_in(bucket, hooked=hooked, div_factor=self.div_factor,
-                           name=self.names[bucket.param_indices[0]], rank=self.rank)
-            return
-        # batched_grad_copy only notes the gradient; _flush copies when the bucket is full.
-        (note_grad if self.config.batched_grad_copy else copy_grad_in)(
-            bucket, position, hooked=hooked, as_bucket_view=self.config.gradient_as_bucket_view,
-            div_factor=self.div_factor, scale=self._scale)
-
-    def _flush(self, bucket: bucketing.Bucket) -> None:
-        flush(bucket, hooked=self.comm_hook is not None,
-              as_bucket_view=self.config.gradient_as_bucket_view, div_factor=self.div_factor)
+        grad_into_bucket(bucket, position, self.config, hooked=self.comm_hook is not None,
+                         div_factor=self.div_factor, scale=self._scale, names=self.names,
+                         rank=self.rank)
 
     # ---- 3. launch -----------------------------------------------------------------------
     def start_grad_sync(self, bucket_index: int) -> None:
@@ -259,15 +167,9 @@ class Reducer:
         if bucket_index > step.next_bucket:
             return
         while step.next_bucket < len(buckets) and buckets[step.next_bucket].pending == 0:
-            if not self._skipped(buckets[step.next_bucket]):
+            if not skipped(buckets[step.next_bucket], self.config, self.unused_search.unused):
                 self._launch(buckets[step.next_bucket])
             step.next_bucket += 1
-
-    def _skipped(self, bucket: bucketing.Bucket) -> bool:
-        """``skip_all_reduce_unused_params``: a bucket of unused parameters only stays local
-        (no future: its ``.grad`` are left alone), as DDP's ``should_skip_all_reduce_bucket``."""
-        return self.config.skip_all_reduce_unused_params and all(
-            i in self.unused_search.unused for i in bucket.param_indices)
 
     def _launch(self, bucket: bucketing.Bucket) -> None:
         grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.buckets))
@@ -300,8 +202,8 @@ class Reducer:
                 for position in range(len(bucket.params)):
                     self._copy_in(bucket, position)
             for bucket in self.buckets:
-                if self.config.batched_grad_copy:
-                    self._flush(bucket)
+                flush_if_batched(bucket, self.config, hooked=self.comm_hook is not None,
+                                 div_factor=self.div_factor)
                 self._launch(bucket)
             self.step.next_bucket = len(self.buckets)
         self.finish_grad_sync()
