@@ -26,7 +26,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import DataParallelModel, RanksFailed, run_ranks
-from mini_ddp.engine.hooks import GradBucket, gloo_safe, waits_in_callbacks
+from mini_ddp.engine.gloo_safe import gloo_safe, waits_in_callbacks
+from mini_ddp.engine.hooks import GradBucket
 from mini_ddp.transport.collectives import collective_hook, ring_allreduce
 
 CAP_MB = 0.00015  # 157 bytes: this model's gradients fall into 3 buckets after the rebuild

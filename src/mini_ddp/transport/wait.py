@@ -1,7 +1,7 @@
 """The one bounded wait: block on a future until it completes or a deadline passes.
 
 Every place that waits for a collective with a limit (the reducer's end-of-backward wait, the
-join's shadow backward, :func:`mini_ddp.engine.hooks.gloo_safe`) goes through
+join's shadow backward, :func:`mini_ddp.engine.gloo_safe.gloo_safe`) goes through
 :func:`wait_done`, so "how long, and who hears about a slow one" is decided in one place.
 It only waits: what a timeout or a failure *means* is for the caller to say (each raises its
 own error, naming its bucket or hook).
