@@ -2,14 +2,15 @@
 
 Gloo sums over TCP even when both ranks share a host (a 76 MiB float32 all-reduce costs
 50-70 ms of CPU per rank on loopback, docs/performance.md). Here each rank's bucket buffer lives
-in a ``/dev/shm`` file the peer maps too (:mod:`mini_ddp.transport.shm_files`), and an
-all-reduce is:
+in a ``/dev/shm`` file the peer maps too (:mod:`mini_ddp.transport.shm_files`; which buffer is
+which slot: :mod:`mini_ddp.transport.shm_slots`), and an all-reduce is:
 
 1. *ready*: a tiny collective on a private Gloo group (:mod:`mini_ddp.transport.shm_sync`). It
    checks that both ranks reduce the same slot with the same size and dtype
    (:class:`ShmDesyncError` otherwise, on both ranks), and means both buffers hold their inputs;
 2. rank 0 sums elements ``[0, n//2)`` and rank 1 ``[n//2, n)``: each computes
-   ``mine[h] = mine[h] + peer[h]`` and writes the result into the peer's buffer as well;
+   ``mine[h] = mine[h] + peer[h]`` and writes the result into the peer's buffer as well
+   (:mod:`mini_ddp.transport.shm_sum`);
 3. *done*: a second tiny collective. Afterwards both buffers hold the whole sum, and neither
    rank touches the other's buffer until the next *ready*.
 
@@ -48,8 +49,9 @@ from mini_ddp.transport.shm_files import (
     ShmError,
     map_segment,
     segment_path,
-    unlink_quietly,
 )
+from mini_ddp.transport.shm_slots import SlotTable
+from mini_ddp.transport.shm_sum import shm_supported, sum_range
 from mini_ddp.transport.shm_sync import (
     ALL_REDUCE,
     ALLOCATE,
@@ -67,34 +69,6 @@ __all__ = [
     "ShmError",
     "shm_supported",
 ]
-
-_SUPPORTED = (torch.float32, torch.float64)
-
-_CHUNK_BYTES = 1 << 20  # sum and copy back in 1 MiB pieces: the copy then reads from cache
-
-
-def shm_supported(dtype: torch.dtype) -> bool:
-    """Whether :meth:`SharedMemoryAllreduce.all_reduce` can sum buffers of ``dtype``."""
-    return dtype in _SUPPORTED
-
-
-def _sum_range(own: torch.Tensor, peer: torch.Tensor, lo: int, hi: int) -> None:
-    """``own[lo:hi] += peer[lo:hi]``, then the sums copied into ``peer[lo:hi]`` too.
-
-    Every view made here is gone when this returns, exceptions included: callers count the
-    buffers' storage users to know nobody else looks into them.
-    """
-    step = max(1, _CHUNK_BYTES // own.element_size())
-    mine = theirs = None
-    try:
-        for start in range(lo, hi, step):
-            stop = min(start + step, hi)
-            mine, theirs = own[start:stop], peer[start:stop]
-            torch.add(mine, theirs, out=mine)
-            theirs.copy_(mine)
-    finally:
-        del mine, theirs
-
 
 class SharedMemoryAllreduce:
     """Sum all-reduce between the two ranks of a one-machine job through shared memory.
@@ -114,14 +88,7 @@ class SharedMemoryAllreduce:
         self.token = token
         self._sync = PairSync(side_group, rank)
         self._next_slot = 0
-        self._slots: dict[int, int] = {}  # id(own buffer) -> slot
-        self._own: dict[int, torch.Tensor] = {}
-        self._peer: dict[int, torch.Tensor] = {}
-        # renew(): a slot's generation on each side, and our renewed files the peer has not
-        # mapped yet (unlinked after the next done sync of that slot, when it has).
-        self._own_gen: dict[int, int] = {}
-        self._peer_gen: dict[int, int] = {}
-        self._unmapped: dict[int, str] = {}
+        self._table = SlotTable()  # buffers, peer mappings, generations (shm_slots)
         self._closed = False
         self._lock = threading.Lock()  # guards _closed against concurrent submit/close
         # An allocation failure is agreed on both ranks and leaves the transport usable;
@@ -187,7 +154,7 @@ class SharedMemoryAllreduce:
         every later call fails at once.
         """
         self._check_open("all_reduce")
-        slot = self._slot_of(tensor, "all_reduce")
+        slot = self._table.slot_of(tensor, "all_reduce")
         if not shm_supported(tensor.dtype):
             raise ValueError(f"all_reduce: the shared-memory transport sums float32 and float64 "
                              f"only, not {tensor.dtype}")
@@ -198,7 +165,7 @@ class SharedMemoryAllreduce:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a live buffer of this transport (the object itself)."""
-        return self._live_slot(tensor) is not None
+        return self._table.live_slot(tensor) is not None
 
     def renew(self, tensor: torch.Tensor) -> torch.Tensor:
         """Give the slot of ``tensor`` a fresh zero-filled buffer; return it. Local, no sync.
@@ -210,8 +177,8 @@ class SharedMemoryAllreduce:
         reduction's done sync. Call it only while no reduction of the slot is in flight.
         """
         self._check_open("renew")
-        slot = self._slot_of(tensor, "renew")
-        gen = self._own_gen.get(slot, 0) + 1
+        slot = self._table.slot_of(tensor, "renew")
+        gen = self._table.own_gen.get(slot, 0) + 1
         path = self._path(self.rank, slot, gen)
         try:
             fresh = map_segment(path, tensor.numel(), tensor.dtype, create=True)
@@ -219,10 +186,7 @@ class SharedMemoryAllreduce:
             raise ShmAllocationError(f"mini_ddp: rank {self.rank} could not create {path}: "
                                      f"{err}") from err
         with self._lock:
-            self._drop_unmapped(slot)  # renewed twice before a reduction: never mapped
-            del self._slots[id(tensor)]
-            self._slots[id(fresh)] = slot
-            self._own[slot], self._own_gen[slot], self._unmapped[slot] = fresh, gen, path
+            self._table.renewed(tensor, fresh, slot, gen, path)
         return fresh
 
     def free(self, tensor: torch.Tensor) -> None:
@@ -232,10 +196,10 @@ class SharedMemoryAllreduce:
         references and any all-reduce of it still queued has finished. ValueError if
         ``tensor`` is not a live buffer of this transport.
         """
-        slot = self._slot_of(tensor, "free")
-        del self._slots[id(tensor)], self._own[slot], self._peer[slot]
+        slot = self._table.slot_of(tensor, "free")
+        self._table.forget(tensor, slot)
         with self._lock:
-            self._drop_unmapped(slot)
+            self._table.drop_unmapped(slot)
 
     def close(self, wait: bool = True) -> None:
         """Finish the queued work, stop the worker thread and drop every buffer. Idempotent.
@@ -249,41 +213,13 @@ class SharedMemoryAllreduce:
                 return
             self._closed = True
             self._worker.stop(wait)
-        self._slots.clear()
-        self._own.clear()
-        self._peer.clear()
-        for path in self._unmapped.values():
-            unlink_quietly(path)
-        self._unmapped.clear()
+        self._table.clear()
 
     # ----------------------------------------------------------------------------- internals
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise ShmError(f"mini_ddp: rank {self.rank}: {what} on a closed shared-memory "
                            "all-reduce transport")
-
-    def _live_slot(self, tensor: Any) -> int | None:
-        slot = self._slots.get(id(tensor))
-        return slot if slot is not None and self._own.get(slot) is tensor else None
-
-    def _drop_unmapped(self, slot: int) -> None:
-        """Unlink ``slot``'s renewed file if it is still there (hold ``_lock``)."""
-        path = self._unmapped.pop(slot, None)
-        if path is not None:
-            unlink_quietly(path)
-
-    def _slot_of(self, tensor: Any, what: str) -> int:
-        slot = self._live_slot(tensor)
-        if slot is None:
-            if isinstance(tensor, torch.Tensor):
-                shown = (f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)} on "
-                         f"{tensor.device}")
-            else:
-                shown = f"a {type(tensor).__name__}"
-            raise ValueError(
-                f"{what}: expected a buffer returned by this transport's allocate() (the tensor "
-                f"object itself, not a view or copy, and not freed), got {shown}")
-        return slot
 
     def _submit(self, job: Callable[[], Any]) -> torch.futures.Future:
         return self._worker.submit(job)
@@ -292,32 +228,32 @@ class SharedMemoryAllreduce:
         return segment_path(self.token, rank, slot, gen)
 
     def _allocate(self, slot: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        self._sync.ready(ALLOCATE, slot, numel, dtype, self._own_gen.get(slot, 0))
+        self._sync.ready(ALLOCATE, slot, numel, dtype, self._table.own_gen.get(slot, 0))
         if numel == 0:
             own, peer = torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=dtype)
         else:
             own, peer = self._sync.map_pair(self.token, slot, numel, dtype)
-        self._slots[id(own)] = slot
-        self._own[slot], self._peer[slot] = own, peer
+        self._table.add(slot, own, peer)
         return [own]
 
     def _reduce(self, slot: int, own: torch.Tensor) -> list[torch.Tensor]:
         n = own.numel()
-        peer_gen = self._sync.ready(ALL_REDUCE, slot, n, own.dtype, self._own_gen.get(slot, 0))
+        table = self._table
+        peer_gen = self._sync.ready(ALL_REDUCE, slot, n, own.dtype, table.own_gen.get(slot, 0))
         lo, hi = (0, n // 2) if self.rank == 0 else (n // 2, n)
         ok = False
         try:
-            if peer_gen != self._peer_gen.get(slot, 0):  # the peer renewed its buffer: map it
-                self._peer[slot] = map_segment(self._path(self.peer, slot, peer_gen), n, own.dtype,
-                                        create=False)
-                self._peer_gen[slot] = peer_gen
-            _sum_range(own, self._peer[slot], lo, hi)
+            if peer_gen != table.peer_gen.get(slot, 0):  # the peer renewed its buffer: map it
+                table.peer[slot] = map_segment(self._path(self.peer, slot, peer_gen), n,
+                                               own.dtype, create=False)
+                table.peer_gen[slot] = peer_gen
+            sum_range(own, table.peer[slot], lo, hi)
             ok = True
         finally:
             # Join the done sync even if the sum failed, so the peer does not wait for us.
             both = self._sync.agree(f"all_reduce of slot {slot}, done sync", ok)
             with self._lock:  # the peer mapped it before its done sync (or gave up)
-                self._drop_unmapped(slot)
+                table.drop_unmapped(slot)
         if not both:
             raise ShmError(f"mini_ddp: rank {self.rank}: rank {self.peer} failed to sum its half "
                            f"of slot {slot}")

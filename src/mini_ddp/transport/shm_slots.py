@@ -1,0 +1,81 @@
+"""The shared-memory transport's slot table: which buffer is which slot, on both sides.
+
+Every buffer :meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.allocate` hands out is a
+*slot*: this rank's tensor, its mapping of the peer's tensor, and — after
+:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.renew` — each side's generation and the
+renewed file the peer has not mapped yet. Buffers are known by identity (the tensor object
+itself), never by value. The table does no locking and no communication: the transport does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mini_ddp.transport.shm_files import unlink_quietly
+
+
+class SlotTable:
+    """Slots by buffer identity, with each side's tensor and generation."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, int] = {}  # id(own buffer) -> slot
+        self.own: dict[int, torch.Tensor] = {}
+        self.peer: dict[int, torch.Tensor] = {}
+        # renew(): a slot's generation on each side, and our renewed files the peer has not
+        # mapped yet (unlinked after the next done sync of that slot, when it has).
+        self.own_gen: dict[int, int] = {}
+        self.peer_gen: dict[int, int] = {}
+        self.unmapped: dict[int, str] = {}
+
+    def add(self, slot: int, own: torch.Tensor, peer: torch.Tensor) -> None:
+        """A freshly allocated slot: ``own`` (ours) and ``peer`` (our mapping of theirs)."""
+        self.by_id[id(own)] = slot
+        self.own[slot], self.peer[slot] = own, peer
+
+    def live_slot(self, tensor: Any) -> int | None:
+        """The slot whose own buffer is ``tensor`` itself, or None."""
+        slot = self.by_id.get(id(tensor))
+        return slot if slot is not None and self.own.get(slot) is tensor else None
+
+    def slot_of(self, tensor: Any, what: str) -> int:
+        """:meth:`live_slot`, or ValueError naming the call ``what`` and what it got."""
+        slot = self.live_slot(tensor)
+        if slot is None:
+            if isinstance(tensor, torch.Tensor):
+                shown = (f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)} on "
+                         f"{tensor.device}")
+            else:
+                shown = f"a {type(tensor).__name__}"
+            raise ValueError(
+                f"{what}: expected a buffer returned by this transport's allocate() (the tensor "
+                f"object itself, not a view or copy, and not freed), got {shown}")
+        return slot
+
+    def renewed(self, old: torch.Tensor, fresh: torch.Tensor, slot: int, gen: int, path: str
+                ) -> None:
+        """``fresh`` (generation ``gen``, file ``path``) replaces ``old`` as ``slot``'s buffer."""
+        self.drop_unmapped(slot)  # renewed twice before a reduction: never mapped
+        del self.by_id[id(old)]
+        self.by_id[id(fresh)] = slot
+        self.own[slot], self.own_gen[slot], self.unmapped[slot] = fresh, gen, path
+
+    def forget(self, tensor: torch.Tensor, slot: int) -> None:
+        """Drop ``slot`` (whose buffer is ``tensor``) and our mapping of the peer's."""
+        del self.by_id[id(tensor)], self.own[slot], self.peer[slot]
+
+    def drop_unmapped(self, slot: int) -> None:
+        """Unlink ``slot``'s renewed file if it is still there."""
+        path = self.unmapped.pop(slot, None)
+        if path is not None:
+            unlink_quietly(path)
+
+    def clear(self) -> None:
+        """Forget every buffer and unlink every renewed file not yet mapped."""
+        self.by_id.clear()
+        self.own.clear()
+        self.peer.clear()
+        for path in self.unmapped.values():
+            unlink_quietly(path)
+        self.unmapped.clear()
