@@ -26,12 +26,15 @@ MESH_AND_GROUP = "Cannot specify both process_group and device_mesh arguments."
 SYNC_BN_CPU = "SyncBatchNorm layers only work with GPU modules"
 
 
-def resolve_process_group(process_group: dist.ProcessGroup | None, device_mesh: Any
-                          ) -> dist.ProcessGroup:
+def resolve_process_group(process_group: dist.ProcessGroup | None, device_mesh: Any,
+                          module: nn.Module) -> dist.ProcessGroup:
     """The group to reduce over: ``process_group``, a 1-D ``device_mesh``'s group, or WORLD.
 
     As torch DDP: the two are mutually exclusive, and only a one-dimensional mesh is accepted
-    (its dimension 0 is the data-parallel group).
+    (its dimension 0 is the data-parallel group). A mesh sliced out of a larger one means DDP
+    combined with tensor parallelism: like torch DDP, ``module``'s DTensor parameters are then
+    turned into local tensors (re-wrapped around each forward) by torch's own
+    ``_pre_dp_module_transform``, before any parameter is inspected.
     """
     if process_group and device_mesh is not None:
         raise RuntimeError(MESH_AND_GROUP)
@@ -40,9 +43,9 @@ def resolve_process_group(process_group: dist.ProcessGroup | None, device_mesh: 
     if device_mesh.ndim != 1:
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
     if device_mesh._get_root_mesh() != device_mesh:
-        # torch DDP then rewrites DTensor parameters for DDP + tensor parallelism.
-        raise NotImplementedError("mini_ddp: a device_mesh sliced out of a larger mesh (DDP "
-                                  "combined with tensor parallelism) is not supported")
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(module)
     return device_mesh.get_group(mesh_dim=0)
 
 

@@ -94,18 +94,15 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
                 "docs/launching.md.)")
         self._runtime_log = RuntimeLog()
         construction.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
-        self.process_group = construction.resolve_process_group(process_group, device_mesh)
+        self.process_group = construction.resolve_process_group(process_group, device_mesh,
+                                                                module)
         if static_graph and find_unused_parameters:  # DDP warns the same at construction
             warnings.warn(STATIC_AND_FIND_UNUSED, stacklevel=2)
         if check_reduction:
             warnings.warn("The `check_reduction` argument is deprecated (as in torch DDP) and "
                           "has no effect.", FutureWarning, stacklevel=2)
-        if dim != 0:
-            raise NotImplementedError("mini_ddp: only dim=0 is supported (one device per "
-                                      "process; inputs are not scattered)")
-
         self.module = module
-        self.dim = dim
+        self.dim = dim  # accepted and kept, as torch DDP: only its legacy scatter/gather use it
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.delayed: DelayedAllReduce | None = None
         if delay_all_reduce_named_params is not None:  # see mini_ddp.engine.delayed
