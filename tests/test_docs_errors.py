@@ -19,7 +19,6 @@ import torch.distributed as dist
 from docs_snippets import DOCS
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel.distributed import _MixedPrecision
 from torch.utils.checkpoint import checkpoint
 
 from mini_ddp import DataParallelModel, run_ranks
@@ -98,9 +97,6 @@ IN_PROCESS: dict[str, Callable[[], object]] = {
     "Nothing to train": lambda: DataParallelModel(nn.Linear(2, 2).requires_grad_(False)),
     "Lazy module not materialised": lambda: DataParallelModel(nn.LazyLinear(2)),
     "`device_ids` on a CPU model": lambda: DataParallelModel(nn.Linear(2, 2), device_ids=[0]),
-    "Option not implemented": lambda: DataParallelModel(
-        nn.Linear(2, 2), gradient_as_bucket_view=True,
-        mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16)),
     "A parameter got no gradient": _unused,
     "A gradient arrived twice in one backward": _marked_twice,
     "Backward twice on one forward": _backward_twice,

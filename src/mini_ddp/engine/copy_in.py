@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mini_ddp.engine.buckets import Bucket, shares_storage
+from mini_ddp.engine.writeback import assign_grad
 
 
 def scale_tensor(div_factor: int) -> torch.Tensor:
@@ -51,4 +52,4 @@ def copy_grad_in(bucket: Bucket, position: int, *, hooked: bool, as_bucket_view:
     else:
         torch.mul(grad, scale, out=view)  # DDP's mul_out: where parity is won
     if as_bucket_view:
-        param.grad = view
+        assign_grad(param, view)

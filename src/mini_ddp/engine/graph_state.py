@@ -45,6 +45,7 @@ class BucketLayout:
         self.history: list[list[list[int]]] = []  # every layout installed, oldest first
         self.has_rebuilt = False
         self.rebuild_order: list[int] = []  # gradient-ready order seen by the recording backward
+        self.grad_dtype: torch.dtype | None = None  # set by use_grad_dtype
         # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
         # (then DDP applies the size caps over the definition order). The list is reversed so
         # the last-defined parameters, whose gradients come first, are in bucket 0.
@@ -53,6 +54,7 @@ class BucketLayout:
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A bucket's zero-filled buffer: shared memory when the transport will sum it."""
+        dtype = self.grad_dtype or dtype
         nbytes = numel * dtype.itemsize
         if self.transport is not None and device.type == "cpu" and shm_supported(dtype) \
                 and nbytes >= self.config.shared_memory_min_bytes:
@@ -61,6 +63,21 @@ class BucketLayout:
             except ShmAllocationError as err:  # raised on both ranks: both fall back
                 logger.warning("mini_ddp rank %d: %s; this bucket uses Gloo", self.rank, err)
         return bucketing.zeros_allocator(numel, dtype, device)
+
+    def use_grad_dtype(self, dtype: torch.dtype) -> None:
+        """Buckets hold ``dtype`` from now on, whatever the parameters' dtype.
+
+        DDP's mixed precision moves its buckets to ``param_dtype``; with
+        ``gradient_as_bucket_view=True`` that dtype is visible in ``.grad``.
+        """
+        self.grad_dtype = dtype
+        for bucket in self.buckets:
+            if bucket.sparse or bucket.buffer.dtype == dtype:
+                continue
+            if self.transport is not None and self.transport.owns(bucket.buffer):
+                self.transport.free(bucket.buffer)
+            bucket.replace_buffer(self.allocate(bucket.buffer.numel(), dtype,
+                                                bucket.buffer.device))
 
     def install(self, layout: list[list[int]], rebuilt: bool = False) -> None:
         """Replace the buckets by fresh ones for ``layout`` (lists of parameter indices)."""
@@ -88,7 +105,7 @@ class BucketLayout:
                 for p, view in zip(bucket.params, bucket.views, strict=True):
                     if p.grad is not None and not shares_storage(p.grad, bucket.buffer):
                         view.copy_(p.grad)
-                        p.grad = view
+                        writeback.assign_grad(p, view)  # mixed precision: a param_dtype view
         logger.info("mini_ddp rank %d bucket layout, %s:\n%s", self.rank,
                     self.config.layout_reason(rebuilt),
                     bucketing.describe_layout(self.buckets, self.names))

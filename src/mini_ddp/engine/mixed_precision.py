@@ -7,7 +7,8 @@ out — on one stream they only order work that already runs in order:
 1. Construction: every parameter gets a ``_mp_param`` twin in ``param_dtype`` (storage freed
    until needed) and keeps its full-precision data as ``_fp_param``; buffers are cast to
    ``buffer_dtype`` (all of them, as DDP does). DDP's buckets hold ``param_dtype``; ours
-   keep the full-precision dtype, which represents those values exactly (see step 4).
+   keep the full-precision dtype, which represents those values exactly (see step 4) —
+   except with ``gradient_as_bucket_view=True``, where ``.grad`` *is* the bucket view.
 2. Before each forward: each parameter's full-precision value is copied into its twin and the
    parameter's ``.data`` becomes the twin; an accumulated ``.grad`` is cast down too.
    Floating-point inputs are cast to ``param_dtype`` (torch's ``_cast_forward_inputs``).
@@ -20,6 +21,13 @@ out — on one stream they only order work that already runs in order:
    then copies the reduced values into those ``.grad``.
 5. End of backward: remove this step's hooks; parameters that do not require grad go back to
    full precision too.
+
+With ``gradient_as_bucket_view=True`` step 4's ``param.grad.data = ...`` rebinds the bucket
+view itself (``.grad`` and the reducer's view are one tensor): the view leaves the bucket, later
+gradients are copied into it instead of the bucket, and each step reduces the bucket's old
+contents again. ``.grad`` therefore keeps the first synchronised step's values — torch DDP's
+behaviour, which the reducer reproduces by comparing storages as DDP does
+(:func:`mini_ddp.engine.writeback.write_back_bucket`).
 """
 
 # No ``from __future__ import annotations``: register_comm_hook checks the hook's annotations

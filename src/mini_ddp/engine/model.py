@@ -52,8 +52,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
 
     Same constructor arguments, same semantics and — on the default path — the same bits as
     ``torch.nn.parallel.DistributedDataParallel``; ``state_dict()`` keys carry the same
-    ``module.`` prefix, so checkpoints interchange in both directions. Arguments DDP has and
-    we do not implement raise ``NotImplementedError`` naming the argument.
+    ``module.`` prefix, so checkpoints interchange in both directions.
 
     mini_ddp additions (keyword-only): ``sync_timeout_s`` — the bound on waiting for one
     bucket's collective at the end of backward, and for the buffer broadcast before forward
@@ -157,9 +156,8 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:  # torch's sequence: see mini_ddp.engine.mixed_precision
             logger.warning("Received mixed precision config %s", mixed_precision)
-            if gradient_as_bucket_view:  # DDP's hook swaps .grad's data out of the bucket
-                raise NotImplementedError("mini_ddp: mixed_precision with "
-                                          "gradient_as_bucket_view=True is not supported")
+            if gradient_as_bucket_view:  # .grad is the bucket view: its dtype shows
+                self.reducer.layout.use_grad_dtype(mixed_precision.param_dtype)
             self.reducer.zero_copy = False  # .grad must stay the full-precision tensor
             self.register_comm_hook(mixed_precision_setup(
                 module, [p for _, p in named], mixed_precision, self.process_group,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mini_ddp.engine.buckets import Bucket, storage_use_count
+from mini_ddp.engine.buckets import Bucket, shares_storage, storage_use_count
 
 if TYPE_CHECKING:
     from mini_ddp.transport.shm import SharedMemoryAllreduce
@@ -126,9 +126,15 @@ def write_back_bucket(bucket: Bucket, result: torch.Tensor, *, plain: bool, zero
     if plain and result is bucket.buffer:
         (hand_out if zero_copy else copy_out)(bucket)
         return
+    views_out = bucket.views_of(result)
+    if as_bucket_view and result is bucket.buffer and not all(
+            shares_storage(view, bucket.buffer) for view in bucket.views):
+        # DDP copies the result into a bucket view unless the two *alias*: a view whose
+        # ``.data`` something rebound (mixed precision's comm hook upcasts ``.grad``, which
+        # with gradient_as_bucket_view is the view itself) gets the reduced values copied in.
+        views_out = bucket.views_of(result.view_as(result))
     for param, index, view_in, view_out in zip(bucket.params, bucket.param_indices,
-                                               bucket.views, bucket.views_of(result),
-                                               strict=True):
+                                               bucket.views, views_out, strict=True):
         if skip is None or not skip(index):
             write_back(param, view_in, view_out, as_bucket_view)
 
@@ -142,14 +148,26 @@ def write_back(param: torch.Tensor, view_in: torch.Tensor, view_out: torch.Tenso
     ``as_bucket_view`` (``gradient_as_bucket_view=True``) ``.grad`` is the bucket view itself.
     """
     if as_bucket_view:
-        if view_out is not view_in:
-            view_in.copy_(view_out)  # a hook returned a new tensor
+        if not shares_storage(view_out, view_in):
+            view_in.copy_(view_out)  # a hook returned a new tensor, or rebound the view
         if param.grad is None:
-            param.grad = view_in
+            assign_grad(param, view_in)
         return
     if param.grad is None:
         param.grad = _fresh_grad(param)
     param.grad.copy_(view_out)
+
+
+def assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, allowing a dtype other than the parameter's.
+
+    DDP's C++ reducer sets ``.grad`` without Python's dtype check. With mixed precision and
+    ``gradient_as_bucket_view=True`` it hands a ``param_dtype`` bucket view to a
+    full-precision parameter (and a view the comm hook upcast to a low-precision one).
+    """
+    if grad.dtype != param.dtype:
+        param.grad_dtype = None  # torch's documented switch for "any dtype"
+    param.grad = grad
 
 
 # ---- who else holds a tensor: reference counts ------------------------------------------
