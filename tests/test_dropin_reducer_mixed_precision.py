@@ -154,3 +154,16 @@ def test_mixed_precision_bucket_view_gradients_stay_those_of_the_first_synced_st
     the bucket keeps its old contents, and every later step reduces those again. We match."""
     for ref, ours in run_ranks(_bucket_view_grads_per_step, 3, timeout_s=120):
         assert ref and ours
+
+
+def test_mixed_precision_with_bucket_view_warns_that_gradients_go_stale(one_rank_group,
+                                                                       monkeypatch):
+    """The combination is accepted (as torch DDP does) but never silently."""
+    import torch.distributed._functional_collectives  # noqa: F401 - torch's setup needs it
+
+    monkeypatch.setattr(torch, "Stream", lambda *a, **k: _NullStream())
+    monkeypatch.setattr(torch, "Event", lambda *a, **k: _NullEvent())
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda *a, **k: _NullStream())
+    with pytest.warns(UserWarning, match="stale gradients.*gradient_as_bucket_view=False"):
+        DataParallelModel(Net(), gradient_as_bucket_view=True,
+                          mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))

@@ -56,6 +56,12 @@ MixedPrecision = _MixedPrecision
 """torch's own config dataclass (``torch.nn.parallel.distributed._MixedPrecision``)."""
 
 
+MIXED_PRECISION_BUCKET_VIEW = (
+    "mini_ddp: mixed_precision with gradient_as_bucket_view=True trains on stale gradients, in "
+    "torch DDP and (to stay bit-for-bit equal to it) here: the upcast comm hook rebinds .grad, "
+    "which is the bucket's view, so from the second synchronised step on every .grad holds the "
+    "first synchronised step's values. Use gradient_as_bucket_view=False with mixed_precision.")
+
 def _ignored(t: torch.Tensor) -> bool:
     return getattr(t, "_ddp_ignored", False)
 

@@ -34,7 +34,11 @@ from mini_ddp.engine.ddp_private_api import STATIC_AND_FIND_UNUSED, TorchDDPPriv
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
 from mini_ddp.engine.joinable import JoinableModel
 from mini_ddp.engine.logging_data import RuntimeLog
-from mini_ddp.engine.mixed_precision import allreduce_and_upcast_hook, cast_inputs
+from mini_ddp.engine.mixed_precision import (
+    MIXED_PRECISION_BUCKET_VIEW,
+    allreduce_and_upcast_hook,
+    cast_inputs,
+)
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.output_sink import find_tensors, through_sink
 from mini_ddp.engine.reducer import Reducer
@@ -157,6 +161,9 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
         if mixed_precision is not None:  # torch's sequence: see mini_ddp.engine.mixed_precision
             logger.warning("Received mixed precision config %s", mixed_precision)
             if gradient_as_bucket_view:  # .grad is the bucket view: its dtype shows
+                # Accepted and bit-for-bit as torch DDP, but never silently: DDP's upcast hook
+                # detaches .grad from the bucket, so later steps re-reduce the first step's.
+                warnings.warn(MIXED_PRECISION_BUCKET_VIEW, stacklevel=2)
                 self.reducer.layout.use_grad_dtype(mixed_precision.param_dtype)
             self.reducer.zero_copy = False  # .grad must stay the full-precision tensor
             self.register_comm_hook(mixed_precision_setup(
