@@ -1,8 +1,8 @@
 """Shared-memory segments: files in ``/dev/shm`` that two processes map as one tensor.
 
 The memory half of :mod:`mini_ddp.transport.shm` (which holds the all-reduce protocol).
-Files are named ``/dev/shm/mini_ddp_shm_<token>_r<rank>_s<slot>`` (plus ``_g<generation>`` for
-a renewed buffer), the token drawn per transport, so two jobs or two transports never collide.
+In that folder (``SHM_DIR``) files are named ``mini_ddp_shm_<token>_r<rank>_s<slot>`` (plus
+``_g<generation>`` for a renewed buffer), the token drawn per transport, so two jobs or two transports never collide.
 Space is reserved with ``posix_fallocate``: a full ``/dev/shm`` (Docker's default is 64 MiB)
 raises an ``OSError`` here instead of a SIGBUS on first write.
 """
