@@ -1,15 +1,14 @@
-"""Seed 000, as it should have been written: torchvision's ResNet-18 trained data-parallel.
+"""torchvision's ResNet-18 trained data-parallel, one process per device.
 
-The seed ("distributed training with torch.cuda.comm") spawned one process per GPU, joined a
-NCCL process group and used a DistributedSampler, and then wrapped the model in
-``nn.DataParallel``, which is the bug: DataParallel is single-process multi-GPU parallelism
-that replicates the model onto *every* visible GPU from inside each process, and it never talks
-to the other processes. Gradients were never averaged across ranks, so each process trained its
-own model on its own shard. One process per device plus a DDP wrapper (here
-``DataParallelModel``) is the fix. The seed's title promise, ``torch.cuda.comm``'s
-broadcast/scatter/reduce helpers, is covered by ``mini_ddp.engine.comm``; a DDP training loop needs
-none of it directly. The seed also downloaded CIFAR-10 and asked for ``pretrained=False`` with a
-1000-way head; here nothing downloads and the head has 10 classes.
+The mistake this program avoids: starting one process per GPU, joining a NCCL process group,
+sharding the data with a DistributedSampler, and then wrapping the model in
+``nn.DataParallel``. DataParallel is single-process multi-GPU parallelism: it replicates the
+model onto *every* visible GPU from inside each process, and it never talks to the other
+processes, so gradients are never averaged across ranks and each process trains its own model
+on its own shard. One process per device plus a DDP wrapper (here ``DataParallelModel``) is the
+fix. ``torch.cuda.comm``'s broadcast/scatter/reduce helpers, the intra-process level that
+DataParallel uses, are covered by ``mini_ddp.transport.local_comm``; a DDP training loop needs
+none of it directly. Nothing downloads, and the head has 10 classes.
 
 Run it (with no --data-dir it trains on scikit-learn's bundled handwritten digits, upsampled):
 
@@ -19,7 +18,7 @@ Run it (with no --data-dir it trains on scikit-learn's bundled handwritten digit
 ``--data-dir DIR`` trains on real CIFAR-10 from ``DIR/cifar-10-batches-py``.
 ``--checkpoint-dir DIR`` saves at every epoch end and resumes from there when rerun.
 ResNet-18 is slow on a CPU: use ``--max-steps`` for a quick look.
-The training loop, shared by the three seed examples, is ``src/mini_ddp/training/trainer.py``.
+The training loop, shared by the three programs, is ``src/mini_ddp/training/trainer.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from mini_ddp.training.models import resnet18_cifar
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options (see ``--help``); shared by the three seed examples."""
+    """Command-line options (see ``--help``); shared by the three programs."""
     return trainer.parse_args(argv, description=__doc__)
 
 
