@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from docs_snippets import block_containing
+from test_docs_snippets import test_named_modules_and_files_exist as names_and_paths_exist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -308,3 +309,7 @@ def test_wrapper_forward_on_one_rank_fails_with_the_message_the_page_shows():
     message = run_ranks(_wrapper_forward_on_one_rank, 2, timeout_s=60,
                         collective_timeout_s=30)[0]
     assert message.startswith(HANG_MESSAGE), (HANG_MESSAGE, message)
+
+
+def test_names_and_paths_the_page_quotes_exist():
+    names_and_paths_exist(PAGE)
