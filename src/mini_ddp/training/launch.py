@@ -16,11 +16,12 @@ Which case applies is read from the environment, never guessed from the command 
   ``python -m torch.distributed.launch``, which also passes ``--local-rank``, or a job script).
   ``train`` runs right here, in this process.
 * otherwise: this is the parent. It starts ``--world-size`` children with
-  ``torch.multiprocessing.spawn`` and joins them; it never joins the process group itself (the
-  bug of seed 002, which called ``init_process_group`` in the parent *and* in every child).
+  ``torch.multiprocessing.spawn`` and joins them; it never joins the process group itself
+  (calling ``init_process_group`` in the parent *and* in every child is a classic mistake).
 
-Each rank calls ``init_process_group`` exactly once, inside :func:`process_group`, and leaves it
-on every exit path, exceptions and Ctrl-C included. Backend: NCCL with one GPU per local rank
+Each rank calls ``init_process_group`` exactly once, inside :func:`process_group`, with a
+10-minute timeout (:data:`DEFAULT_TIMEOUT`; torch's own default for Gloo is 30 minutes), and
+leaves it on every exit path, exceptions and Ctrl-C included. Backend: NCCL with one GPU per local rank
 when there are enough GPUs, Gloo on CPU otherwise.
 
 Security: the torch.distributed store has no authentication; anyone who can reach its port can

@@ -1,6 +1,6 @@
 """The examples' trainer: one readable path from a batch to an optimizer step, on any launcher.
 
-The three seed programs (``examples/seed000_resnet18_cifar.py``, ``seed002_lenet.py``,
+The three example programs (``examples/seed000_resnet18_cifar.py``, ``seed002_lenet.py``,
 ``seed004_mymodel.py``) differ only in their model and input size; everything else — data
 sharding with a DistributedSampler, the DataParallelModel wrapper, a rank-0 progress bar,
 all-reduced evaluation, atomic checkpoints and exact resume — lives here, once.
