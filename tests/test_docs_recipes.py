@@ -82,7 +82,7 @@ def _opt_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor)]
 
 
-def _amp(ctx) -> dict[str, bool]:
+def _amp(ctx, block: str = AMP) -> dict[str, bool]:
     loader = _batches(ctx.rank, 3)
     if ctx.rank == 1:  # an overflow on one rank only: every rank must skip that step
         x, y = loader[1]
@@ -93,7 +93,7 @@ def _amp(ctx) -> dict[str, bool]:
         handle = register_optimizer_step_post_hook(
             lambda opt, args, kwargs, steps=steps: steps.append(1))
         try:
-            out[engine] = _run(AMP, engine, loader=loader)
+            out[engine] = _run(block, engine, loader=loader)
         finally:
             handle.remove()
         taken[engine] = len(steps)
@@ -108,6 +108,29 @@ def _amp(ctx) -> dict[str, bool]:
         "autocast ran in bfloat16": mini["loss"].dtype == torch.float32 and _autocast_is_bf16(
             mini["model"]),
     }
+
+
+def _amp_no_sync(ctx) -> dict[str, bool]:
+    """An autocast forward accumulated under no_sync(), then one synchronised micro-batch."""
+    micro = _batches(ctx.rank, 3, seed=300)
+    models = {}
+    for engine in ENGINES:
+        model = ENGINES[engine](_my_model())
+        with model.no_sync():
+            for x, y in micro[:-1]:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+        x, y = micro[-1]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        models[engine] = model
+    grad = models["mini"].module[0].weight.grad
+    gathered = [torch.zeros_like(grad) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, grad)
+    return {"gradients equal torch DDP": _same(_grads(models["mini"]), _grads(models["torch"])),
+            "synchronised at the end": torch.equal(gathered[0], gathered[1])}
 
 
 def _autocast_is_bf16(model: nn.Module) -> bool:
@@ -273,7 +296,11 @@ def _join(ctx) -> dict[str, bool]:
 
 
 def _all_recipes(ctx, workdir: str) -> dict[str, dict[str, bool]]:
-    return {"amp": _amp(ctx), "clip": _clip(ctx), "checkpoint": _checkpoint(ctx, workdir),
+    bucket_view = AMP.replace("DataParallelModel(MyModel())",
+                              "DataParallelModel(MyModel(), gradient_as_bucket_view=True)")
+    assert bucket_view != AMP
+    return {"amp": _amp(ctx), "amp, bucket views": _amp(ctx, bucket_view),
+            "amp, no_sync": _amp_no_sync(ctx), "clip": _clip(ctx), "checkpoint": _checkpoint(ctx, workdir),
             "evaluate": _evaluate(ctx), "sampler": _sampler(ctx), "join": _join(ctx)}
 
 
@@ -283,7 +310,8 @@ def recipes(tmp_path_factory) -> list[dict[str, dict[str, bool]]]:
     return run_ranks(_all_recipes, 2, args=(workdir,), timeout_s=120, collective_timeout_s=60)
 
 
-@pytest.mark.parametrize("recipe", ["amp", "clip", "checkpoint", "evaluate", "sampler", "join"])
+@pytest.mark.parametrize("recipe", ["amp", "amp, bucket views", "amp, no_sync", "clip",
+                                    "checkpoint", "evaluate", "sampler", "join"])
 def test_recipe_snippet_runs_and_matches_torch_ddp(recipes, recipe):
     for rank, per_rank in enumerate(recipes):
         assert all(per_rank[recipe].values()), (rank, per_rank[recipe])
