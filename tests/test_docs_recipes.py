@@ -10,6 +10,7 @@ training snippets share one ``run_ranks`` call, so the file pays the rank start-
 from __future__ import annotations
 
 import copy
+import io
 import os
 import time
 from typing import Any
@@ -341,3 +342,18 @@ def test_wrapper_forward_on_one_rank_fails_with_the_message_the_page_shows():
 
 def test_names_and_paths_the_page_quotes_exist():
     names_and_paths_exist(PAGE)
+
+
+def test_the_table_rows_on_pickling(one_rank_group):
+    """The recipes table: a mixed_precision model cannot be deep-copied or saved whole
+    (TypeError; torch DDP raises AttributeError); a plain model, the one autocast uses, can."""
+    import torch.distributed._functional_collectives  # noqa: F401 - torch's mixed-precision setup needs it
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    copy.deepcopy(DataParallelModel(_my_model()))
+    model = DataParallelModel(_my_model(),
+                              mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.raises(TypeError):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError):
+        torch.save(model, io.BytesIO())
