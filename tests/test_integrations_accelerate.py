@@ -4,7 +4,9 @@ The same loop runs twice in the same two processes (torchrun, ``Accelerator(cpu=
 ``accelerator.prepare`` as is (torch DDP), then inside ``with use_mini_ddp():`` (mini_ddp).
 It uses ``accumulate`` (``no_sync`` on the micro-batches between optimizer steps),
 ``clip_grad_norm_``, ``save_state``, a restart (new ``Accelerator``, model, optimizer) with
-``load_state``, ``unwrap_model`` and ``get_state_dict``. The loop is in
+``load_state``, two forwards under ``no_sync`` whose second backward is synchronised by
+``trigger_sync_in_backward`` (Accelerate arms ``model.reducer.prepare_for_backward([])``),
+``unwrap_model`` and ``get_state_dict``. The loop is in
 tests/helpers/accelerate_run.py.
 """
 

@@ -6,7 +6,7 @@ Started as Accelerate runs on CPUs: ``torchrun --nproc-per-node 2 accelerate_run
 with ``Accelerator(cpu=True)`` (Accelerate's multi-CPU mode; ``accelerate launch`` has no
 multi-process CPU launcher without MPI). The loop uses ``accumulate`` (gradient accumulation
 with ``no_sync``), ``clip_grad_norm_``, ``save_state`` / ``load_state`` into a fresh model
-and optimizer, and ``unwrap_model``. Each rank writes ``OUT_DIR/rank{R}.json``.
+and optimizer, ``no_sync`` + ``trigger_sync_in_backward``, and ``unwrap_model``. Each rank writes ``OUT_DIR/rank{R}.json``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,17 @@ def _run(mini: bool, state_dir: str) -> dict[str, Any]:
         fresh, fresh_opt = accelerator.prepare(*_parts()[:2])
     accelerator.load_state(state_dir)
     resumed = all(torch.equal(a, b) for a, b in zip(saved, fresh.parameters(), strict=True))
-    _train(accelerator, fresh, fresh_opt, batches[STEPS_BEFORE_SAVE:])
+    _train(accelerator, fresh, fresh_opt, batches[STEPS_BEFORE_SAVE:-2])
+    # Accelerate's documented no_sync + trigger_sync_in_backward pattern: two forwards without
+    # sync, the second backward armed by hand (reducer.prepare_for_backward([])).
+    (xa, ya), (xb, yb) = batches[-2:]
+    with accelerator.no_sync(fresh):
+        loss_a = nn.functional.mse_loss(fresh(xa), ya)
+        loss_b = nn.functional.mse_loss(fresh(xb), yb)
+    accelerator.backward(loss_a)
+    with accelerator.trigger_sync_in_backward(fresh):
+        accelerator.backward(loss_b)
+    fresh_opt.step()
     inner = accelerator.unwrap_model(fresh)
     return {"wrapped_by": type(fresh).__name__, "is DDP": isinstance(fresh, DDP),
             "resumed": resumed,
