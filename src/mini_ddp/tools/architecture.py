@@ -20,9 +20,9 @@ PACKAGE = Path(__file__).resolve().parents[1]
 
 # Drawn bottom to top; engine and ladder are one layer (neither imports the other).
 ROWS: list[str] = ["errors", "transport", "engine", "ladder", "observe", "training", "tools",
-                   "mini_ddp"]
+                   "integrations", "mini_ddp"]
 RANK = {"errors": 0, "transport": 1, "engine": 2, "ladder": 2, "observe": 3, "training": 4,
-        "tools": 5, "mini_ddp": 6}
+        "tools": 5, "integrations": 6, "mini_ddp": 7}
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
