@@ -34,7 +34,8 @@ def test_the_doctor_names_the_rank_that_never_launched_and_where_it_is(hangs, na
     assert f"(bucket 0 of step {step - 1}, completed)" in text
     function = FUNCTIONS[name]
     if name == "gil":
-        assert "it did not answer in time" in text and "holding the GIL" in text
+        assert "no stack from while it was stuck: it did not answer in time" in text
+        assert "rank 1 answered" in text and "holding the GIL" in text
     else:
         assert "its stack when asked:" in text
         assert f"hang_scenarios.py:{LINES[function]} in {function}" in text
@@ -63,3 +64,24 @@ def test_the_command_line(hangs, tmp_path, capsys):
     assert "rank 1 never launched bucket 0" in out.stdout
     assert main([str(tmp_path)]) == 2
     assert "no mini_ddp flight recorder dumps" in capsys.readouterr().out
+
+
+if __name__ == "__main__":  # the output shown in docs/reliability.md ("Debugging a hang")
+    import sysconfig
+    import tempfile
+
+    def show(text: str) -> None:  # site-packages paths shortened, as in the docs
+        print(text.replace(sysconfig.get_paths()["purelib"], "<site-packages>"))
+
+    folder, results, _ = run_hangs(tempfile.mkdtemp(prefix="mini_ddp_hangs_"))
+    for name in ("loader", "gil"):
+        after, text = results[0]["scenarios"][name]["warnings"][0]
+        print(f"--- {name}: rank 0's warning, {after:.1f} s after it entered the step")
+        show(text)
+    for name in ("loader", "gil", "dead"):
+        print(f"--- python -m mini_ddp doctor <dumps of {name}>")
+        show(_doctor(folder / name))
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                         str(folder / "loader")], capture_output=True, text=True, timeout=120)
+    print("--- python -m torch.distributed.flight_recorder.fr_trace <dumps of loader>")
+    print((fr.stdout + fr.stderr).strip())

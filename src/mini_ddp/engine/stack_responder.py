@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import sys
 import sysconfig
 import threading
@@ -86,14 +87,24 @@ def thread_stacks(skip: int | None = None) -> list[dict[str, Any]]:
     return found
 
 
+def _short(path: str) -> str:
+    """``path`` relative to the current directory when it lies below it (as pytest shows)."""
+    here = os.getcwd() + os.sep
+    return path[len(here):] if path.startswith(here) else path
+
+
 def format_stacks(threads: list[dict[str, Any]], indent: str = "    ") -> str:
     """The text of :func:`thread_stacks`' result, most recent call last, one line a frame."""
     lines = []
     for t in threads:
+        where = t["where"]
+        if where.endswith(")") and " (" in where:
+            name, _, place = where[:-1].partition(" (")
+            where = f"{name} ({_short(place)})"
         lines.append(f"{indent}thread {t['thread']!r}{' (main)' if t['main'] else ''}, "
-                     f"in {t['where']}:")
+                     f"in {where}:")
         for filename, line, function, source in t["frames"]:
-            lines.append(f"{indent}  {filename}:{line} in {function}"
+            lines.append(f"{indent}  {_short(filename)}:{line} in {function}"
                          + (f": {source}" if source else ""))
     return "\n".join(lines)
 

@@ -36,10 +36,10 @@ def _stack_of(rank: int, dumps: dict[int, dict[str, Any]]) -> str | None:
     own = dumps.get(rank)
     if own is not None and own["reason"].startswith("asked for its stack"):
         late = own.get("answered_late_s")
-        head = "    its stack when asked:" if not late else (
-            f"    it did not answer in time; {late:.1f} s after it was asked, once its threads "
-            "could run again, it was here (no longer where it was stuck):")
-        return head + "\n" + format_stacks(own["stacks"], indent="      ")
+        if late:  # its stack then shows where it went next, not where it was stuck
+            return (f"    no stack from while it was stuck: it did not answer in time, only "
+                    f"{late:.1f} s after it was asked (its dump holds where it went next)")
+        return "    its stack when asked:\n" + format_stacks(own["stacks"], indent="      ")
     for peer in dumps.values():
         answer = peer.get("peers", {}).get(str(rank))
         if answer is not None:
