@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import json
 import logging
 import os
@@ -56,6 +57,7 @@ TORCH_FORMAT_VERSION = "2.10"
 SEQ, STEP, BUCKET, NBYTES, NUMEL, DTYPE, LAUNCHED, COMPLETED, STATE = range(9)
 _LIVE: weakref.WeakSet[FlightLog] = weakref.WeakSet()
 _signal_installed = False
+_WRITES = itertools.count()
 
 
 class FlightLog:
@@ -73,7 +75,8 @@ class FlightLog:
         self.step = 0  # kept up to date by the reducer's launches
         # Read at dump time, weakly: the log must not keep its model alive.
         self._reducer = None if reducer is None else weakref.ref(reducer)
-        self._lock = threading.Lock()
+        # Reentrant: SIGUSR1's handler may run in the main thread in the middle of a dump.
+        self._lock = threading.RLock()
         _LIVE.add(self)
 
     # ---- recording (the reducer's launch) -------------------------------------------------
@@ -161,7 +164,7 @@ def _completed(entry: list, future: Any) -> None:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.{next(_WRITES)}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)  # a reader (the doctor) never sees half a file
 

@@ -174,8 +174,11 @@ class StallMonitor:
         if self._responder is None and r.world_size > 1:
             store = self._store
             if store is None:  # a store of its own: the happy path leaves self.store unopened
-                store = dist.PrefixStore(self._prefix,
-                                         dist.distributed_c10d._get_default_store())
+                try:
+                    store = dist.PrefixStore(self._prefix,
+                                             dist.distributed_c10d._get_default_store())
+                except (RuntimeError, ValueError):  # no default store: stacks go unasked
+                    return
             # Stops when the reducer goes (the model deleted): the thread holds nothing of it.
             self._responder = start_responder(store, r.rank, r, r.flight.on_ask)
 
@@ -243,9 +246,13 @@ class StallMonitor:
         if late and report.error is None:
             what = "the unused-parameter map" if report.waiting_for is None \
                 else f"bucket {report.waiting_for}"
-            report.stacks = ask_stacks(self.store, late, self.answer_s, asked_by=r.rank,
-                                       why=f"rank {r.rank} waits for {what} of step "
-                                           f"{report.step}")
+            try:
+                report.stacks = ask_stacks(self.store, late, self.answer_s, asked_by=r.rank,
+                                           why=f"rank {r.rank} waits for {what} of step "
+                                               f"{report.step}")
+            except Exception:  # noqa: BLE001 - a report without stacks beats a failed wait
+                logger.exception("mini_ddp: rank %d could not ask ranks %s for their stacks",
+                                 r.rank, late)
         text = str(report)
         self.dump(f"stall warning: {text.splitlines()[0]}", report=text,
                   peers={str(rank): answer for rank, answer in report.stacks.items()})
