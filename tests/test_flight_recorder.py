@@ -87,19 +87,20 @@ def _bucket(index, numel=3):
     return SimpleNamespace(index=index, nbytes=4 * numel, buffer=torch.zeros(numel))
 
 
-def test_the_ring_keeps_the_last_n_and_stamps_completion(tmp_path, monkeypatch):
+def test_the_ring_keeps_the_last_n_and_stamps_what_the_reducer_saw_complete(tmp_path, monkeypatch):
     monkeypatch.setenv("MINI_DDP_FLIGHT_DIR", str(tmp_path / "from_env"))
     log = FlightLog(0, 2, entries=3)
-    futures = [torch.futures.Future() for _ in range(5)]
-    for i, f in enumerate(futures):
-        log.launched(1 + i // 2, _bucket(i % 2), f)
-    futures[3].set_result([torch.zeros(3)])
-    futures[4].set_exception(RuntimeError("peer gone"))
+    for i in range(5):  # steps 1, 1, 2, 2, 3 of buckets 0, 1, 0, 1, 0
+        log.launched(1 + i // 2, _bucket(i % 2))
+        if i < 2:
+            log.completed(i)
+    log.completed(1)  # bucket 1 of step 2 seen complete
+    log.completed(0, state="failed")  # bucket 0 of step 3 failed
     path = log.dump("test")
     assert path == tmp_path / "from_env" / "rank0.json"
     d = json.loads(path.read_text())
-    assert [(e["seq"], e["state"]) for e in d["entries"]] == [
-        (2, "started"), (3, "completed"), (4, "failed")]
+    assert [(e["seq"], e["step"], e["bucket"], e["state"]) for e in d["entries"]] == [
+        (2, 2, 0, "started"), (3, 2, 1, "completed"), (4, 3, 0, "failed")]
     assert d["entries"][1]["completed_ns"] >= d["entries"][1]["launched_ns"]
     torch_dump = pickle.loads((tmp_path / "from_env" / f"{TORCH_PREFIX}0").read_bytes())
     assert [e["collective_seq_id"] for e in torch_dump["entries"]] == [2, 3, 4]

@@ -3,7 +3,7 @@
 Every model watched by the stall warning keeps a :class:`FlightLog` on its reducer: a ring
 buffer (``collections.deque(maxlen=N)``) of the collectives the reducer launched — sequence
 number, step, bucket, bytes, when it launched and when it completed. Recording is one list and
-one ``deque.append`` per launch, and one done-callback per launch that stamps the completion.
+one ``deque.append`` per launch, and a stamp when the reducer's wait for it returns.
 
 A dump writes this rank's ring, its own Python stacks and why it dumped into a directory: the
 keyword ``dump_dir`` (:func:`mini_ddp.observe.flight_recorder.flight_recorder`), else the
@@ -26,7 +26,6 @@ that call returns — the store-based ask does not wait for that).
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import json
 import logging
@@ -73,6 +72,7 @@ class FlightLog:
         self.dump_dir = dump_dir
         self.seq = 0
         self.step = 0  # kept up to date by the reducer's launches
+        self._open: dict[int, list] = {}  # bucket index -> its entry, until seen complete
         # Read at dump time, weakly: the log must not keep its model alive.
         self._reducer = None if reducer is None else weakref.ref(reducer)
         # Reentrant: SIGUSR1's handler may run in the main thread in the middle of a dump.
@@ -80,16 +80,23 @@ class FlightLog:
         _LIVE.add(self)
 
     # ---- recording (the reducer's launch) -------------------------------------------------
-    def launched(self, step: int, bucket: Any, future: Any) -> None:
-        """Record the launch of ``bucket``'s collective; its future stamps the completion."""
+    def launched(self, step: int, bucket: Any) -> None:
+        """Record the launch of ``bucket``'s collective (state ``started``)."""
         buffer = bucket.buffer
         entry = [self.seq, step, bucket.index, bucket.nbytes, buffer.numel(), buffer.dtype,
                  time.time_ns(), None, "started"]
         self.seq += 1
         self.step = step
         self.ring.append(entry)
-        if future is not None:
-            future.add_done_callback(functools.partial(_completed, entry))
+        self._open[bucket.index] = entry
+
+    def completed(self, bucket_index: int, state: str = "completed") -> None:
+        """The reducer's wait for bucket ``bucket_index`` returned (or, ``state="failed"``, its
+        collective failed): stamp the entry. As torch's ``time_discovered_completed_ns``, this
+        is when the rank *saw* the completion — no callback runs on the backend's thread."""
+        entry = self._open.pop(bucket_index, None)
+        if entry is not None:
+            entry[COMPLETED], entry[STATE] = time.time_ns(), state
 
     # ---- dumping ----------------------------------------------------------------------------
     def directory(self) -> Path:
@@ -152,15 +159,6 @@ class FlightLog:
             else {}
         self.dump(f"asked for its stack by rank {request.get('from')} "
                   f"({request.get('why') or 'a stall'})", stacks, asked_at=asked_at, **late)
-
-
-def _completed(entry: list, future: Any) -> None:
-    entry[COMPLETED] = time.time_ns()
-    try:
-        future.value()
-        entry[STATE] = "completed"
-    except Exception:  # noqa: BLE001 - the reducer names the failure; here it is a state
-        entry[STATE] = "failed"
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -188,7 +188,7 @@ class Reducer(ReducerState):
         if self.trace is not None:  # lets a recorder log when the collective really ends
             self.trace.record("launched", bucket=bucket.index, future=bucket.future)
         if self.flight is not None:
-            self.flight.launched(self.num_iterations, bucket, bucket.future)
+            self.flight.launched(self.num_iterations, bucket)
 
     def delay_all_reduce(self) -> None:
         """Static graph, first iteration: reduce everything once backward has finished.
@@ -261,6 +261,8 @@ class Reducer(ReducerState):
                 if bucket.future is None:
                     continue  # skipped: all its parameters unused (skip_all_reduce_unused_params)
                 value = self.wait(bucket.future, bucket)
+                if self.flight is not None:
+                    self.flight.completed(bucket.index)
                 if bucket.sparse:  # the result goes into the bucket, which is the .grad
                     sparse_write_back(bucket, value)
                     continue

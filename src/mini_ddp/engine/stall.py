@@ -228,6 +228,7 @@ class StallMonitor:
         when the collective failed. A failed collective is already named by the reducer: the
         flight recorder only dumps."""
         if error is not None:
+            self.failed(bucket)
             self.dump(f"collective failed: {type(error).__name__}: {error}")
             return
         self.publish("waiting", launched=reducer.next_bucket,
@@ -256,6 +257,12 @@ class StallMonitor:
         text = str(report)
         self.dump(f"stall warning: {text.splitlines()[0]}", report=text,
                   peers={str(rank): answer for rank, answer in report.stacks.items()})
+
+    def failed(self, bucket: Any) -> None:
+        """Mark ``bucket``'s collective failed in the flight log."""
+        flight = getattr(self.reducer, "flight", None)
+        if flight is not None and bucket is not None:
+            flight.completed(bucket.index, state="failed")
 
     def dump(self, reason: str, **extra: Any) -> None:
         """Write this rank's flight recorder dump (nothing without a flight log)."""
