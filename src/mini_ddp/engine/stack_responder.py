@@ -158,11 +158,12 @@ def start_responder(store: Any, rank: int, owner: Any,
 def _serve(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
     ask, count, answer = f"ask/{rank}", f"asked/{rank}", f"stack/{rank}"
     while not stop.is_set():
+        started = time.monotonic()
         try:
             store.wait([ask], _WAIT)
         except Exception:  # noqa: BLE001 - expired (re-arm) or the store is gone (end)
-            if stop.is_set():
-                return
+            if stop.is_set() or time.monotonic() - started < 60:
+                return  # not the long wait expiring: the store failed
             try:
                 store = store.clone()  # a fresh connection: a timed-out one may be confused
             except Exception:  # noqa: BLE001
