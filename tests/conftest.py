@@ -16,3 +16,11 @@ def one_rank_group(tmp_path) -> Iterator[None]:
                             world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def pytest_configure(config) -> None:
+    """Flight recorder dumps (written on every stall, timeout or failed collective, by default
+    into ./mini_ddp_flight) go to a temporary folder, inherited by every spawned rank."""
+    import os
+    import tempfile
+    os.environ.setdefault("MINI_DDP_FLIGHT_DIR", tempfile.mkdtemp(prefix="mini_ddp_flight_"))

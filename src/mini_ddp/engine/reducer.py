@@ -72,6 +72,8 @@ class Reducer(TorchReducerAPI, ReducerState):
     Answers torch's reducer methods by name too (:mod:`mini_ddp.engine.torch_reducer_api`).
     """
 
+    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.flight_log), or None
+
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
                  transport: SharedMemoryAllreduce | None = None):
@@ -222,6 +224,8 @@ class Reducer(TorchReducerAPI, ReducerState):
                                                                                 grad_bucket)
         if self.trace is not None:  # lets a recorder log when the collective really ends
             self.trace.record("launched", bucket=bucket.index, future=bucket.future)
+        if self.flight is not None:
+            self.flight.launched(self.num_iterations, bucket)
 
     def delay_all_reduce(self) -> None:
         """Static graph, first iteration: reduce everything once backward has finished.
@@ -253,11 +257,18 @@ class Reducer(TorchReducerAPI, ReducerState):
         stall report (``on_stall``) and a collective's failure.
         """
         on_stall = self.on_stall
+
+        def timed_out() -> GradSyncTimeout:
+            error = GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket, self.names,
+                                    len(self.buckets))
+            if self.flight is not None:  # what led here, for `python -m mini_ddp doctor`
+                self.flight.dump(f"GradSyncTimeout: {error}")
+            return error
+
         return wait_for_collective(
             future, rank=self.rank, timeout_s=self.config.sync_timeout_s,
             describe=lambda: self._describe(bucket), names_a_bucket=bucket is not None,
-            timed_out=lambda: GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket,
-                                              self.names, len(self.buckets)),
+            timed_out=timed_out,
             on_stall=None if on_stall is None else lambda err: on_stall(self, bucket, err),
             stall_after_s=self.stall_after_s)
 
@@ -289,6 +300,8 @@ class Reducer(TorchReducerAPI, ReducerState):
                 if bucket.future is None:
                     continue  # skipped: all its parameters unused (skip_all_reduce_unused_params)
                 value = self.wait(bucket.future, bucket)
+                if self.flight is not None:
+                    self.flight.completed(bucket.index)
                 if bucket.sparse:  # the result goes into the bucket, which is the .grad
                     sparse_write_back(bucket, value)
                     continue

@@ -10,10 +10,18 @@ Then it keeps waiting: a slow rank that arrives late costs a log line, not the j
 waits for the process group's timeout, and so does ``sync_timeout_s`` by default).
 
 This is Horovod's stall check, without its coordinator: each waiting rank asks the store.
+It then asks each late rank *where* it is — its Python stacks, answered by the rank's stack
+responder thread (:mod:`mini_ddp.engine.stack_responder`) through the same store — and puts
+them in the report, or says the rank did not answer (native code holding the GIL, or dead).
+Every rank involved writes its flight recorder dump (:mod:`mini_ddp.engine.flight_log`), for
+``python -m mini_ddp doctor DIR``.
+
 Cost on the happy path: nothing per step — no collective, no store access; the store is used
-only once a wait has passed the limit. :class:`mini_ddp.observe.watchdog.StallWatchdog` builds
-on this class: it leaves marks at every bucket launch (so the report can say which parameters
-a rank never produced) and can raise instead of warn.
+only once a wait has passed the limit. Installing starts the responder (one daemon thread
+blocked in one ``store.wait`` on its own connection) and the flight log (a ``deque.append``
+per bucket launch). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on this class: it
+leaves marks at every bucket launch (so the report can say which parameters a rank never
+produced) and can raise instead of warn.
 """
 
 from __future__ import annotations
@@ -27,11 +35,23 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mini_ddp.engine.flight_log import FlightLog, install_dump_signal
+from mini_ddp.engine.stack_responder import (
+    ANSWER_S,
+    StackResponder,
+    ask_stacks,
+    describe_answer,
+    start_responder,
+)
+
 logger = logging.getLogger("mini_ddp")
 _SESSIONS = itertools.count()  # same sequence on every rank: monitors are made in lockstep
 ARRIVAL_GRACE_S = 2.0
 """How long a waiting rank gives its peers to leave their marks before naming those that did
 not: ranks that launched the bucket a little later reach the limit a little later too."""
+MAX_ASKED = 4
+"""Late ranks asked for their stacks per report (the lowest ranks): the store load of a report
+stays bounded however many ranks are late, and four stacks are as many as a reader follows."""
 
 
 @dataclass
@@ -49,6 +69,7 @@ class StallReport:
     missing_params: list[str]  # parameters without a gradient here this step
     marks: dict[int, dict | None] = field(default_factory=dict)
     culprits: dict[int, str] = field(default_factory=dict)  # rank -> why it holds things up
+    stacks: dict[int, dict] = field(default_factory=dict)  # rank -> its answer (stack_responder)
 
     def __str__(self) -> str:
         head = f"mini_ddp stall report from rank {self.rank} (step {self.step}): "
@@ -67,6 +88,8 @@ class StallReport:
                          f" buckets never launched: {self.pending_buckets}")
         for rank, why in sorted(self.culprits.items()):
             lines.append(f"  rank {rank}: {why}")
+            if rank in self.stacks:
+                lines.append(describe_answer(rank, self.stacks[rank]))
         reached = [r for r in range(self.world_size) if r not in self.culprits and r != self.rank]
         if reached and self.waiting_for is not None:
             lines.append(f"  ranks that reached bucket {self.waiting_for}: {reached}")
@@ -118,6 +141,8 @@ class StallMonitor:
         self._prefix = f"mini_ddp/stall/{group}/{next(_SESSIONS)}"
         self._store = store
         self._replaced: tuple[Any, float | None] | None = None
+        self._responder: StackResponder | None = None
+        self.answer_s = ANSWER_S  # how long a report waits for a late rank's stack
 
     @property
     def store(self) -> Any:
@@ -134,7 +159,28 @@ class StallMonitor:
         if r.on_stall != self.on_stall:
             self._replaced = (r.on_stall, r.stall_after_s)
             r.on_stall, r.stall_after_s = self.on_stall, self.limit_s
+            self._start_flight_log_and_responder()
         return self
+
+    def _start_flight_log_and_responder(self) -> None:
+        r = self.reducer
+        if not hasattr(r, "buckets"):
+            return  # a stand-in reducer (tests of the install/remove bookkeeping)
+        if getattr(r, "flight", None) is None:
+            group = r.group if r.group is not None else dist.group.WORLD
+            r.flight = FlightLog(r.rank, r.world_size, str(getattr(group, "group_name", "0")),
+                                 str(dist.get_backend(group)), reducer=r)
+            install_dump_signal()
+        if self._responder is None and r.world_size > 1:
+            store = self._store
+            if store is None:  # a store of its own: the happy path leaves self.store unopened
+                try:
+                    store = dist.PrefixStore(self._prefix,
+                                             dist.distributed_c10d._get_default_store())
+                except (RuntimeError, ValueError):  # no default store: stacks go unasked
+                    return
+            # Stops when the reducer goes (the model deleted): the thread holds nothing of it.
+            self._responder = start_responder(store, r.rank, r, r.flight.on_ask)
 
     def remove(self) -> None:
         """Stop watching; whatever watched before (the default warning, or nothing) is back."""
@@ -142,6 +188,9 @@ class StallMonitor:
         if r.on_stall == self.on_stall and self._replaced is not None:
             r.on_stall, r.stall_after_s = self._replaced
             self._replaced = None
+        if self._responder is not None:
+            self._responder.stop()
+            self._responder = None
 
     def __enter__(self) -> StallMonitor:
         return self.install()
@@ -176,14 +225,50 @@ class StallMonitor:
     # ---- the report -------------------------------------------------------------------------
     def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> None:
         """The reducer's stall seam: after ``limit_s`` without an answer (``error`` None), or
-        when the collective failed. A failed collective is already named by the reducer."""
+        when the collective failed. A failed collective is already named by the reducer: the
+        flight recorder only dumps."""
         if error is not None:
+            self.failed(bucket)
+            self.dump(f"collective failed: {type(error).__name__}: {error}")
             return
         self.publish("waiting", launched=reducer.next_bucket,
                      waiting_for=None if bucket is None else bucket.index)
         report = self.report(bucket, None)
         if report is not None:
+            self.diagnose(report)
             self.act(report, None)
+
+    # ---- where the late ranks are -------------------------------------------------------------
+    def diagnose(self, report: StallReport) -> None:
+        """Ask the late ranks (at most :data:`MAX_ASKED`) for their stacks, into ``report``;
+        then dump this rank's flight log (the asked ranks dump theirs as they answer)."""
+        r = self.reducer
+        late = sorted(report.culprits)[:MAX_ASKED]
+        if late and report.error is None:
+            what = "the unused-parameter map" if report.waiting_for is None \
+                else f"bucket {report.waiting_for}"
+            try:
+                report.stacks = ask_stacks(self.store, late, self.answer_s, asked_by=r.rank,
+                                           why=f"rank {r.rank} waits for {what} of step "
+                                               f"{report.step}")
+            except Exception:  # noqa: BLE001 - a report without stacks beats a failed wait
+                logger.exception("mini_ddp: rank %d could not ask ranks %s for their stacks",
+                                 r.rank, late)
+        text = str(report)
+        self.dump(f"stall warning: {text.splitlines()[0]}", report=text,
+                  peers={str(rank): answer for rank, answer in report.stacks.items()})
+
+    def failed(self, bucket: Any) -> None:
+        """Mark ``bucket``'s collective failed in the flight log."""
+        flight = getattr(self.reducer, "flight", None)
+        if flight is not None and bucket is not None:
+            flight.completed(bucket.index, state="failed")
+
+    def dump(self, reason: str, **extra: Any) -> None:
+        """Write this rank's flight recorder dump (nothing without a flight log)."""
+        flight = getattr(self.reducer, "flight", None)
+        if flight is not None:
+            flight.dump(reason, **extra)
 
     def act(self, report: StallReport, error: BaseException | None) -> None:
         """Tell the user: a WARNING on the ``"mini_ddp"`` logger."""

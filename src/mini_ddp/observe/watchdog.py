@@ -102,7 +102,11 @@ class StallWatchdog(StallMonitor):
         failed (a dead peer). Our own marks first, so other ranks' reports include them."""
         self.publish("failed" if error else "waiting", launched=reducer.next_bucket,
                      waiting_for=None if bucket is None else bucket.index)
-        self.act(self.report(bucket, error), error)
+        if error is not None:
+            self.failed(bucket)
+        report = self.report(bucket, error)
+        self.diagnose(report)  # the late ranks' stacks (not a dead peer's), and the dumps
+        self.act(report, error)
 
     def act(self, report: StallReport, error: BaseException | None) -> None:
         """Raise :class:`StallError`, or (``action="warn"``) log it and let the wait go on."""

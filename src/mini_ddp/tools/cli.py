@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                          "all-reduce algorithms vs Gloo: time, algbw, busbw, alpha-beta fit"),
     "cost-model": ("mini_ddp.tools.costmodel", "predict step time for larger worlds from a profile"),
     "architecture": ("mini_ddp.tools.architecture", "draw the layers and their imports, from the source"),
+    "doctor": ("mini_ddp.tools.doctor", "line up the ranks' flight recorder dumps, say what differs"),
 }
 
 

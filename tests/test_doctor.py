@@ -1,0 +1,87 @@
+"""``python -m mini_ddp doctor DIR`` on the dumps of each hang of tests/helpers/hang_scenarios.py:
+it names the rank that never launched the collective, and shows where that rank was."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers.hang_scenarios import FUNCTIONS, LINES, SCENARIOS, run_hangs
+
+from mini_ddp.observe.flight_recorder import read_dumps
+from mini_ddp.tools.doctor import diagnose, main
+
+
+@pytest.fixture(scope="module")
+def hangs():
+    return run_hangs()
+
+
+def _doctor(folder):
+    return "\n".join(diagnose(read_dumps(folder)))
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_doctor_names_the_rank_that_never_launched_and_where_it_is(hangs, name):
+    folder, results, _ = hangs
+    stuck = SCENARIOS[name]
+    step = results[0]["scenarios"][name]["step"]
+    text = _doctor(folder / name)
+    others = sorted(set(range(3)) - {stuck})
+    assert f"rank {stuck} never launched bucket 0 of step {step} " in text, text
+    assert f"ranks {others} did); its last was" in text
+    assert f"(bucket 0 of step {step - 1}, completed)" in text
+    function = FUNCTIONS[name]
+    if name == "gil":
+        assert "no stack from while it was stuck: it did not answer in time" in text
+        assert "rank 1 answered" in text and "holding the GIL" in text
+    else:
+        assert "its stack when asked:" in text
+        assert f"hang_scenarios.py:{LINES[function]} in {function}" in text
+
+
+def test_the_doctor_on_a_dead_rank(hangs):
+    folder, _, _ = hangs
+    text = _doctor(folder / "dead")
+    assert "rank 1 left no dump, and the collectives of ranks [0, 2] failed: it most likely " \
+           "died" in text
+    assert "launched on every rank that dumped and is failed there" in text
+
+
+def test_the_doctor_on_a_timeout(hangs):
+    folder, _, _ = hangs
+    text = _doctor(folder / "timeout")
+    assert "rank 1 left no dump" in text
+    assert "launched on every rank that dumped and is not complete there" in text
+
+
+def test_the_command_line(hangs, tmp_path, capsys):
+    folder, _, _ = hangs
+    out = subprocess.run([sys.executable, "-m", "mini_ddp", "doctor", str(folder / "loader")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rank 1 never launched bucket 0" in out.stdout
+    assert main([str(tmp_path)]) == 2
+    assert "no mini_ddp flight recorder dumps" in capsys.readouterr().out
+
+
+if __name__ == "__main__":  # the output shown in docs/reliability.md ("Debugging a hang")
+    import sysconfig
+    import tempfile
+
+    def show(text: str) -> None:  # site-packages paths shortened, as in the docs
+        print(text.replace(sysconfig.get_paths()["purelib"], "<site-packages>"))
+
+    folder, results, _ = run_hangs(tempfile.mkdtemp(prefix="mini_ddp_hangs_"))
+    for name in ("loader", "gil"):
+        after, text = results[0]["scenarios"][name]["warnings"][0]
+        print(f"--- {name}: rank 0's warning, {after:.1f} s after it entered the step")
+        show(text)
+    for name in ("loader", "gil", "dead"):
+        print(f"--- python -m mini_ddp doctor <dumps of {name}>")
+        show(_doctor(folder / name))
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                         str(folder / "loader")], capture_output=True, text=True, timeout=120)
+    print("--- python -m torch.distributed.flight_recorder.fr_trace <dumps of loader>")
+    print((fr.stdout + fr.stderr).strip())
