@@ -234,7 +234,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = pytree.tree_map_only(
-                torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
+                torch.Tensor, lambda t: t.to(device), (inputs, kwargs))
         inputs, kwargs = cast_inputs(self.mixed_precision, inputs, kwargs)
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
@@ -285,7 +285,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
             # Bounded like the gradient waits: a hung peer must not stall forward forever.
             dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group,
-                                     timeout_s=self.config.sync_timeout_s)
+                                     timeout_s=self.config.buffer_sync_timeout_s)
 
     # ---- user controls -------------------------------------------------------------------
     @contextmanager
