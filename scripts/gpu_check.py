@@ -652,7 +652,8 @@ def environment(gpu: bool) -> list[str]:
     props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     names = ", ".join(f"cuda:{i} {p.name} ({p.total_memory / 2**30:.0f} GiB, sm_{p.major}"
                       f"{p.minor})" for i, p in enumerate(props))
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "n/a"
+    nccl = torch.cuda.nccl.version() if dist.is_nccl_available() else "n/a"
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)  # int before 2.2
     return lines + [f"GPUs: {names}",
                     f"driver {_driver_version()}, CUDA (torch build) {torch.version.cuda}, "
                     f"cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}"]
@@ -699,6 +700,10 @@ def main(argv: list[str] | None = None) -> int:
                 report.row("INFO", "nccl", probe.name,
                            "NCCL refuses two ranks on one device ('Duplicate GPU detected'): "
                            "multi-rank NCCL rows need 2 GPUs; not run")
+            elif rows is not None and "still running after the deadline" in rows:
+                report.row("INFO", "nccl", probe.name,
+                           f"NCCL did not finish two ranks on one device within "
+                           f"{PROBE_TIMEOUT_S:.0f} s (hung): multi-rank NCCL rows need 2 GPUs")
             elif rows is None:
                 report.row("PASS", "nccl", probe.name, "NCCL accepted two ranks on cuda:0")
                 extra = _parity_cases("nccl", "nccl", 2, False, full=False)

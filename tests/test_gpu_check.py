@@ -86,3 +86,25 @@ def test_nccl_refusing_two_ranks_on_one_gpu_is_recognised():
     assert not check.nccl_refused_shared_gpu("RuntimeError: connection reset by peer")
     assert check._headline(f"Traceback ...\ntorch.distributed.DistBackendError: {words}") \
         .startswith("torch.distributed.DistBackendError: NCCL error in")
+
+
+@pytest.mark.parametrize("answer,status", [
+    ("Last error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000",
+     "INFO"),
+    ("rank 0: still running after the deadline; its stack: ...", "INFO"),
+    ("RuntimeError: something else", "FAIL"),
+])
+def test_one_gpu_machine_reports_what_nccl_said_about_two_ranks(monkeypatch, tmp_path, answer,
+                                                               status):
+    """The branch only a one-GPU machine takes, with NCCL's answer faked and no case run."""
+    check = _gpu_check()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(check, "environment", lambda gpu: ["header"])
+    monkeypatch.setattr(check, "run_case_quiet", lambda case, gpu, deadline: answer)
+    monkeypatch.setattr(check, "build_cases", lambda gpu: [])
+    assert check.main([]) == (1 if status == "FAIL" else 0)
+    rows = [line for line in (tmp_path / "gpu_check.txt").read_text().splitlines()
+            if ROW.match(line)]
+    assert len(rows) == 1 and rows[0].startswith(status) and "ws=2 ranks on one GPU" in rows[0]
