@@ -282,7 +282,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
         what = f"the broadcast of rank {src}'s {len(buffers)} buffers before forward"
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers), \
                 naming_collective(self.reducer.rank, what):
-            # Bounded only by a sync_timeout_s the user set: torch DDP never blocks the host here.
+            # Bounded only by a user's sync_timeout_s: torch DDP never blocks the host here.
             dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group,
                                      timeout_s=self.config.buffer_sync_timeout_s)
