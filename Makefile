@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup clean test-floor
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,9 +23,27 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check src tests examples
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 tests
+	$(MAKE) test-floor
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info runs
+
+# The oldest torch we test (pyproject's floor): torch 2.11.0 on Python 3.12, in its own venv,
+# running the parity subset against torch DDP 2.11 with this checkout's src/ (no install).
+FLOOR_PYTHON ?= $(shell (python3.12 -c '' 2>/dev/null && echo python3.12) || ls -d "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+FLOOR_VENV   ?= .venv-floor
+FLOOR_TESTS  := tests/test_core_parity.py tests/test_core_errors.py tests/test_comm_hooks.py \
+                tests/test_join.py tests/test_dropin_reducer_mixed_precision.py \
+                tests/test_dropin_errors.py tests/test_nccl_semantics.py tests/test_gpu_check.py
+
+$(FLOOR_VENV)/.installed:
+	@test -n "$(FLOOR_PYTHON)" || { echo "test-floor: no Python 3.12 found (set FLOOR_PYTHON=...)"; exit 1; }
+	test -x $(FLOOR_VENV)/bin/python || $(FLOOR_PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q "torch==2.11.0" "torchvision==0.26.0" numpy tqdm matplotlib scikit-learn pytest pytest-xdist pytest-timeout hypothesis
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed
+	PYTHONPATH=$(CURDIR)/src OMP_NUM_THREADS=1 $(FLOOR_VENV)/bin/python -m pytest -q -n 2 --timeout=600 $(FLOOR_TESTS)

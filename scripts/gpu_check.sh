@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# mini_ddp GPU check: parity with NCCL and Gloo-on-CUDA, torch.cuda.comm, CUDA streams.
-# Usage: scripts/gpu_check.sh [--cpu-dry-run] [--only abcd]
-# Uses mini_ddp from this checkout (PYTHONPATH=src) and $PYTHON (default python3).
-# Writes the PASS/FAIL table to $OUT/gpu_check.txt when OUT is set.
-# Exit status: 0 all passed, 1 a check failed, 2 no torch / no CUDA.
+# mini_ddp GPU check: what one GPU can prove (NCCL semantics, streams, Gloo on CUDA), row by row.
+# Usage: bash scripts/gpu_check.sh [--cpu-dry-run] [--only TEXT] [--budget-s 240]
+# Runs this checkout's mini_ddp (PYTHONPATH=src) with ${PYTHON:-python3}: no virtualenv needed.
+# Rows are appended to $OUT/gpu_check.txt (./gpu_check.txt when OUT is unset) as they finish.
+# Exit status: 0 no FAIL row, 1 a FAIL row, 2 no torch / no CUDA.
 set -u
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -13,4 +13,5 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PYTHON" scripts/gpu_check.py "$@"
+export PYTHONUNBUFFERED=1
+exec "$PYTHON" -u scripts/gpu_check.py "$@"

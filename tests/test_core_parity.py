@@ -120,8 +120,11 @@ def _train_side_by_side(ctx, model_name, options, steps=3, optimizer="sgd", accu
     factory, make_batch = MODELS[model_name]
     torch.manual_seed(1000 + ctx.rank)  # deliberately different on each rank
     base = factory()
-    ref, ours = DDP(copy.deepcopy(base), **options), DataParallelModel(copy.deepcopy(base),
-                                                                       **options)
+    try:
+        ref = DDP(copy.deepcopy(base), **options)
+    except AssertionError as err:  # an older torch DDP refuses it (2.11: bucket_cap_mb=0)
+        return [f"{REFUSED}{err}"]
+    ours = DataParallelModel(copy.deepcopy(base), **options)
     bad = _compare("after construction", ref.module, ours.module, "state")
 
     def make_opt(m):
@@ -147,8 +150,13 @@ def _train_side_by_side(ctx, model_name, options, steps=3, optimizer="sgd", accu
     return bad
 
 
+REFUSED = "torch DDP of this version refuses these options: "
+
+
 def _assert_parity(world_size, model_name, options, **kw):
     results = run_ranks(_train_kw, world_size, args=(model_name, options, kw), timeout_s=240)
+    if all(bad and bad[0].startswith(REFUSED) for bad in results):
+        pytest.skip(f"{results[0][0]} (nothing to compare with)")
     problems = [f"rank {r}: {p}" for r, bad in enumerate(results) for p in bad]
     assert not problems, "\n".join(problems[:20])
 

@@ -9,6 +9,7 @@ exactly torch's sequence of casts, copies, reductions and divisions.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -99,6 +100,9 @@ BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
         "bf16-bucket-view", "bf16-bucket-view-small-buckets", "fp16-bucket-view",
         "bf16-bucket-view-zeroed-grads"])
 def test_mixed_precision_matches_torch(dtypes, kw):
+    missing = set(kw) - set(inspect.signature(DDP).parameters) - {"set_to_none"}
+    if missing:  # e.g. forward_sync_buffers, new in torch 2.14's DDP
+        pytest.skip(f"torch DDP of this version has no {sorted(missing)}")
     results = run_ranks(_run, 3, args=(dtypes, kw), timeout_s=180)
     assert results == [[], [], []], results
 

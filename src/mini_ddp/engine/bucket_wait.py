@@ -1,7 +1,9 @@
 """Waiting for a bucket's collective: the deadline, the stall report, and naming a failure.
 
 Step 4 of :mod:`mini_ddp.engine.reducer` blocks here and only here. The wait itself is
-:func:`mini_ddp.transport.wait.wait_done`; this adds what a gradient wait means: a stall
+:func:`mini_ddp.transport.wait.wait_done` — which, for a result on a GPU, waits until the GPU
+has run the collective (NCCL's futures are done at launch), so the deadline and the stall
+report mean the same on NCCL as on Gloo; this adds what a gradient wait means: a stall
 observer is told once the wait is slow and again when the collective fails (it may raise), a
 timeout raises the caller's error, and a failed collective is re-raised naming its bucket.
 """

@@ -13,7 +13,6 @@ broadcast, reduce-add, scatter, gather) see :mod:`mini_ddp.transport.local_comm`
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from mini_ddp.errors import MiniDDPError, naming_collective
+from mini_ddp.transport.wait import wait_done
 
 # DDP broadcasts module state in groups of at most 250 MiB.
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
@@ -87,7 +87,9 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
     Tensors are grouped by (dtype, device) in order, each group capped at ``bucket_bytes``,
     flattened into one tensor, broadcast, and copied back. Values are copied exactly, so the
     grouping never changes a bit — it only saves collectives. ``timeout_s`` bounds the wait for
-    each broadcast (None: the process group's timeout); RuntimeError when it runs out.
+    each broadcast, blocking the host until it has finished (RuntimeError when it runs out);
+    None waits as torch DDP does — on NCCL only the current stream waits, not the host, and
+    the process group's own timeout applies.
     """
     with torch.no_grad():
         for group_tensors in _coalesce_groups(tensors, bucket_bytes):
@@ -101,15 +103,16 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
 
 def _wait_bounded(work: dist.Work, timeout_s: float | None) -> None:
     if timeout_s is None:
+        # torch DDP's own wait: on NCCL it only orders the current stream after the broadcast,
+        # so the forward never blocks the host here.
         work.wait()
         return
-    try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as err:
-        if work.is_completed():
-            raise  # the collective itself failed (e.g. a peer closed its connection)
+    # A deadline the user set: wait until the broadcast has finished — on a GPU, until the
+    # GPU has run it (NCCL's future is done at launch; wait_done asks the work itself).
+    if not wait_done(work.get_future(), timeout_s, work=work):
         raise RuntimeError(f"no answer within {timeout_s} s (DataParallelModel's "
-                           "sync_timeout_s)") from err
+                           "sync_timeout_s)")
+    work.wait()  # raises the collective's own error (e.g. a peer closed its connection)
 
 
 def _coalesce_groups(tensors: Sequence[torch.Tensor], bucket_bytes: int

@@ -59,12 +59,17 @@ class DataParallelConfig:
 
     sync_timeout_s: float | None = None
     """How long the end of backward waits for one bucket's collective (counted from the start
-    of the wait, a stall warning included), and a forward for the buffer broadcast, before
-    raising :class:`mini_ddp.errors.GradSyncTimeout` naming what it waited for. ``None``
-    (the default) means the process group's own timeout — what torch DDP waits (30 min
+    of the wait, a stall warning included), and — only when set here — a forward for the
+    buffer broadcast, before raising :class:`mini_ddp.errors.GradSyncTimeout` naming what it
+    waited for. ``None`` (the default) means the process group's own timeout — what torch DDP waits (30 min
     unless ``init_process_group(timeout=...)`` says otherwise); ``DataParallelModel`` fills
     it in, see :func:`process_group_timeout_s`. Gloo fails the collective itself at that
     timeout, usually first: then the error is a ``CollectiveError`` naming the bucket."""
+
+    sync_timeout_from_user: bool | None = None
+    """Whether ``sync_timeout_s`` was given by the user (filled in by
+    :meth:`resolve_sync_timeout`). Only a deadline the user set bounds the forward's buffer
+    broadcast (:attr:`buffer_sync_timeout_s`); the gradient waits always have one."""
 
     stall_warning_s: float | None = 60.0
     """After this long waiting for one bucket, log a WARNING (logger ``"mini_ddp"``) naming the
@@ -108,9 +113,18 @@ class DataParallelConfig:
     gets a bucket of its own (:mod:`mini_ddp.engine.sparse`)."""
 
     def resolve_sync_timeout(self, group: dist.ProcessGroup) -> None:
-        """Replace ``sync_timeout_s=None`` by ``group``'s own timeout, in seconds."""
+        """Replace ``sync_timeout_s=None`` by ``group``'s own timeout, in seconds, and
+        remember whether the user had set it (a second call changes neither)."""
+        if self.sync_timeout_from_user is None:
+            self.sync_timeout_from_user = self.sync_timeout_s is not None
         if self.sync_timeout_s is None:
             self.sync_timeout_s = process_group_timeout_s(group)
+
+    @property
+    def buffer_sync_timeout_s(self) -> float | None:
+        """The bound on the forward's buffer broadcast: ``sync_timeout_s`` if the user set it,
+        else None — torch DDP never blocks the host there (on NCCL a bounded wait would)."""
+        return self.sync_timeout_s if self.sync_timeout_from_user else None
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb_list:

@@ -295,7 +295,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = pytree.tree_map_only(
-                torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
+                torch.Tensor, lambda t: t.to(device), (inputs, kwargs))
         inputs, kwargs = cast_inputs(self.mixed_precision, inputs, kwargs)
         # A backward that runs before _post_forward (a framework's manual backward inside
         # the forward) must be armed explicitly, or it is refused (see Reducer).
@@ -360,10 +360,10 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         what = f"the broadcast of rank {src}'s {len(buffers)} buffers before forward"
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers), \
                 naming_collective(self.reducer.rank, what):
-            # Bounded like the gradient waits: a hung peer must not stall forward forever.
+            # Bounded only by a user's sync_timeout_s: torch DDP never blocks the host here.
             dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group,
-                                     timeout_s=self.config.sync_timeout_s)
+                                     timeout_s=self.config.buffer_sync_timeout_s)
 
     # ---- torch DDP's names for the buffer broadcast ------------------------------------
     @property

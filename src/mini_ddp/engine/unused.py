@@ -8,6 +8,12 @@ DDP's ``search_unused_parameters`` and its ``local_used_map`` / ``global_used_ma
 * each hook that brings a gradient marks its parameter used (:meth:`mark_used`); once the last
   bucket has launched, the map is summed over ranks (:meth:`launch_map_reduce`), and a
   parameter no rank used keeps its ``.grad`` untouched (:meth:`globally_unused`).
+
+Where the maps live is DDP's choice too: the local map is a host tensor (pinned when the
+parameters are on a GPU), so a hook marks a parameter with a plain store — no kernel launch,
+no device-to-host sync per parameter. For a GPU model it goes to the device once per backward
+(through a fresh pinned copy, so re-zeroing the host map cannot race the asynchronous copy)
+and the summed map comes back once, with one blocking copy, when it is first needed.
 """
 
 from __future__ import annotations
@@ -59,9 +65,13 @@ class UnusedSearch:
         self.dynamic = config.find_unused_parameters and not config.static_graph
         """True when every backward searches the graph (DDP's ``dynamic_find_unused``)."""
         self.unused: list[int] = []  # parameters to mark ready at the first hook
-        self.local_used = torch.zeros(num_params, dtype=torch.int32, device=device)
-        self.global_used: torch.Tensor | None = None  # the summed map, once waited for
-        self._summing: torch.Tensor | None = None  # the map being summed
+        self.device = torch.device(device)
+        """Where the map is summed: the parameters' device (the backend's tensors live there)."""
+        self.local_used = torch.zeros(num_params, dtype=torch.int32,
+                                      pin_memory=self.device.type == "cuda")
+        """This rank's map, on the host (``local_used_map_`` in DDP)."""
+        self.global_used: torch.Tensor | None = None  # the summed map, on the host
+        self._summing: torch.Tensor | None = None  # the map being summed, on self.device
         self._future: torch.futures.Future | None = None
 
     def search(self, accumulators: Sequence[Any], outputs: Sequence[torch.Tensor]) -> None:
@@ -79,21 +89,31 @@ class UnusedSearch:
 
     def launch_map_reduce(self, describe: Callable[[], str]) -> None:
         """Start summing the local used map over ranks (after the last bucket's launch)."""
-        self._summing = self.local_used.clone()
+        if self.device.type == "cpu":
+            self._summing = self.local_used.clone()
+        else:
+            # DDP's local_used_map_tmp: a pinned copy for the asynchronous host-to-device copy
+            # (stream-ordered before the all-reduce), so finish() may re-zero the host map
+            # before the GPU has read it.
+            staged = torch.empty_like(self.local_used, pin_memory=self.device.type == "cuda")
+            staged.copy_(self.local_used)
+            self._summing = staged.to(self.device, non_blocking=True)
         with naming_collective(self.rank, describe):
             work = dist.all_reduce(self._summing, group=self.group, async_op=True)
         self._future = work.get_future()
         self.global_used = None
 
     def shadow_map_reduce(self) -> torch.futures.Future:
-        """The used-map all-reduce of a rank that has joined: zeros, same shape."""
-        return dist.all_reduce(torch.zeros_like(self.local_used), group=self.group,
-                               async_op=True).get_future()
+        """The used-map all-reduce of a rank that has joined: zeros, same shape and device."""
+        zeros = torch.zeros(self.local_used.shape, dtype=self.local_used.dtype,
+                            device=self.device)
+        return dist.all_reduce(zeros, group=self.group, async_op=True).get_future()
 
     def _collect(self, wait: Wait) -> None:
         if self.global_used is None and self._future is not None:
             wait(self._future, None)
-            self.global_used = self._summing
+            # One blocking device-to-host copy, as DDP's local_used_map_.copy_(..._dev_).
+            self.global_used = self._summing.cpu()
 
     def globally_unused(self, index: int, wait: Wait) -> bool:
         """True when no rank used parameter ``index`` (waits for the map the first time)."""
