@@ -21,12 +21,13 @@ demo: $(STAMP)
 	$(PY) -m mini_ddp demo
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests examples
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 tests
+	$(PY) -m ruff check src tests examples scripts
+	# The floor first, so the whole suite's summary is the last line of the run.
 	$(MAKE) test-floor
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 tests
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff check src tests examples scripts
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info runs
