@@ -110,9 +110,10 @@ class Reducer(ReducerState):
                 step.static_hook_counts[index] += 1  # reducing waits: delay_all_reduce
                 return
             if not step.expect_hooks:
-                if step.synced_this_step:
+                if step.synced_this_step and not self.layout.armed_elsewhere(index):
                     # A second backward on a synced forward: torch DDP ignores the hook and lets
-                    # the gradient stay local (the ranks drift apart). We refuse it.
+                    # the gradient stay local (the ranks drift apart). We refuse it. (Another
+                    # wrapper of the same parameters armed since: its backward, not ours.)
                     raise MarkedTwiceError(self.rank, self.names[index], index, after_sync=True)
                 return  # no_sync(), or a backward DDP was not asked to synchronise
             if self.trace is not None:
