@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.shm_kill_rank import POINTS, rank_main
 
 from mini_ddp.transport.shm import FILE_PREFIX, SHM_DIR
-from helpers.shm_kill_rank import POINTS, rank_main
 
 HELPER = Path(__file__).with_name("helpers") / "shm_kill_rank.py"
 
