@@ -117,7 +117,10 @@ class StallMonitor:
         # Weak: the reducer's stall seam holds this monitor (its bound on_stall), so a strong
         # reference back would be a cycle that keeps a dropped model's reducer — and its
         # AccumulateGrad hooks — alive until a garbage collection (torch DDP frees at once).
-        self._reducer = weakref.ref(reducer)
+        try:
+            self._reducer = weakref.ref(reducer)
+        except TypeError:  # a stand-in that cannot be weakly referenced (tests, tools)
+            self._reducer = lambda: reducer
         self.limit_s = limit_s
         group = getattr(process_group, "group_name", "default")
         self._prefix = f"mini_ddp/stall/{group}/{next(_SESSIONS)}"
