@@ -37,6 +37,7 @@ time), slower than Gloo for tiny ones (two round trips and a thread hand-off).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,11 @@ __all__ = [
     "ShmError",
     "shm_supported",
 ]
+
+_RELEASE_WAIT_S = 0.5
+"""How long :meth:`SharedMemoryAllreduce.close` without ``wait`` gives queued work to finish
+before it leaves the private group to the process's end."""
+
 
 class SharedMemoryAllreduce:
     """Sum all-reduce between the two ranks of a one-machine job through shared memory.
@@ -209,16 +215,24 @@ class SharedMemoryAllreduce:
 
         Later calls of :meth:`allocate` and :meth:`all_reduce` raise :class:`ShmError`.
         ``wait=False`` does not wait for the worker (it may be stuck on a dead peer): for
-        finalizers, which must not block.
+        finalizers, which must not block; it gives queued work half a second to finish before
+        it destroys the private group (otherwise the group goes with the process).
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            # Last job: the private group's connections go once the queued work is done.
-            self._worker.submit(self._sync.release)
+            drained = self._worker.submit(lambda: None)  # done once the queued work is
             self._worker.stop(wait)
         self._table.clear()
+        # The private group's connections go here, on the caller's thread, once the worker
+        # is done with it — never on the worker (a process may be exiting under it), and not
+        # if it is stuck on a dead peer (then the group goes with the process).
+        deadline = time.monotonic() + _RELEASE_WAIT_S
+        while not drained.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if drained.done():
+            self._sync.release()
 
     # ----------------------------------------------------------------------------- internals
     def _check_open(self, what: str) -> None:

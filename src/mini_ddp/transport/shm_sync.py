@@ -142,8 +142,11 @@ class PairSync:
     def release(self) -> None:
         """Destroy the private group (its connections and descriptors). Local; idempotent.
 
-        Run on the transport's worker after its last job: nothing uses the group after it.
+        Only once nothing uses the group any more. After ``destroy_process_group()`` of the
+        default group it is gone already: then nothing is done here.
         """
+        if self.group is None or not dist.is_initialized():
+            return
         group, self.group = self.group, None
         if group is not None:
             try:
