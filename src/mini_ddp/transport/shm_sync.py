@@ -104,7 +104,7 @@ def open_pair_group(group: dist.ProcessGroup | None
         if rank == 0:
             try:
                 fd = create_probe(probe, secret.encode())
-            except OSError:
+            except (OSError, AttributeError):  # AttributeError: no memfd_create (not Linux)
                 fd = -1
         shared: list[Any] = [token, secret, fd]
         dist.broadcast_object_list(shared, src=0)
