@@ -73,8 +73,9 @@ def _sequence(wrap, how: str, rank: int, kwargs: dict) -> list[torch.Tensor]:
     for x in batches[2:5]:
         seen += _step(model, module, x)
     if how == "wrap again, old one kept":
-        for x in batches[5:]:  # and back to the old wrapper: it arms again, it syncs again
-            seen += _step(old, module, x)
+        seen += _step(old, module, batches[5])  # back to the old one: it arms, it syncs
+        # Both forwards before one backward: both reducers armed, torch DDP reduces in each.
+        seen += _step(lambda x: old(x) + model(x), module, batches[6])
     return seen + [p.detach().clone() for p in module.parameters()]
 
 
