@@ -34,7 +34,8 @@ COLOURS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#d
 def real_layout(bucket_cap_mb: float) -> list[dict]:
     """Train two steps on one rank; return each bucket's parameters, offsets and view checks."""
     torch.manual_seed(0)
-    model = DataParallelModel(Seed002CNN(), bucket_cap_mb=bucket_cap_mb)
+    model = DataParallelModel(Seed002CNN(), bucket_cap_mb=bucket_cap_mb,
+                              zero_copy_write_back=True)  # .grad: views, as drawn
     names = {id(p): n for n, p in model.module.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(2):

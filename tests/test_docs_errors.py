@@ -71,11 +71,15 @@ def _unused():
 
 
 def _marked_twice():
-    DataParallelModel(_TwiceCheckpointed())(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    # The wrapper must stay referenced through backward: a dropped one is freed at once and
+    # its hooks do nothing, as torch DDP's.
+    model = DataParallelModel(_TwiceCheckpointed())
+    model(torch.randn(1, 2, requires_grad=True)).sum().backward()
 
 
 def _backward_twice():
-    loss = DataParallelModel(nn.Linear(2, 2))(torch.randn(1, 2)).sum()
+    model = DataParallelModel(nn.Linear(2, 2))
+    loss = model(torch.randn(1, 2)).sum()
     loss.backward(retain_graph=True)
     loss.backward()
 

@@ -9,6 +9,7 @@ two tiny ones check that other world sizes get no transport.
 
 from __future__ import annotations
 
+import errno
 import gc
 import glob
 import hashlib
@@ -16,6 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from mini_ddp.engine.buckets import storage_use_count
 from mini_ddp.training.spawn import RanksFailed, run_ranks
+from mini_ddp.transport import shm_files
 from mini_ddp.transport.shm import (
     FILE_PREFIX,
     SHM_DIR,
@@ -137,14 +140,14 @@ def _two_ranks(ctx) -> dict:
     gc.collect()
     out["maps_freed"] = maps_before - _token_maps(shm.token)
 
-    # An allocation that fails on one rank (its file name is taken) fails on both; the
+    # An allocation that fails on one rank (it cannot create its segment) fails on both; the
     # transport stays usable.
-    decoy = os.path.join(SHM_DIR, f"{FILE_PREFIX}{shm.token}_r1_s{shm._next_slot}")
-    if rank == 1:
-        Path(decoy).touch()
-    out["alloc_error"] = _outcome(lambda: shm.allocate(10, torch.float64))[:2]
-    if rank == 1:
-        os.unlink(decoy)
+    def no_memory(*_args):
+        raise OSError(errno.ENOMEM, "out of memory (injected)")
+
+    with mock.patch.object(shm_files.os, "memfd_create",
+                           no_memory if rank == 1 else os.memfd_create):
+        out["alloc_error"] = _outcome(lambda: shm.allocate(10, torch.float64))[:2]
     after = shm.allocate(5, torch.float64)
     after.fill_(rank + 0.5)
     shm.all_reduce(after).wait()

@@ -14,6 +14,7 @@ Two things live here, and nothing about autograd or hooks:
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,16 @@ def storage_use_count(tensor: torch.Tensor) -> int:
     still looks into a bucket buffer before it overwrites it.
     """
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def storage_object_refs(tensor: torch.Tensor) -> int:
+    """Python references to ``tensor``'s storage object, plus the query's own.
+
+    torch keeps one Python object per storage while anything holds it (``t.untyped_storage()``
+    returns that same object), so a kept storage shows here although it does not change
+    :func:`storage_use_count`.
+    """
+    return sys.getrefcount(tensor.untyped_storage())
 
 
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -175,6 +186,7 @@ class Bucket:
     grad_bucket: Any = None  # the GradBucket handed to the comm hook at launch
     handed_out: bool = False  # views were made ``.grad`` by the zero-copy write-back
     base_refs: int = 0  # storage_use_count(buffer) while only this bucket looks into it
+    storage_refs: int = 0  # storage_object_refs(buffer) then
     sparse: bool = False  # one parameter with sparse gradients: ``buffer`` *is* its ``.grad``
     deferred: list[int] = field(default_factory=list)  # batched_grad_copy: positions to copy
 
@@ -213,6 +225,7 @@ class Bucket:
                                                                    strict=True)]
         self.handed_out = False
         self.base_refs = storage_use_count(buffer)
+        self.storage_refs = storage_object_refs(buffer)
 
     @property
     def nbytes(self) -> int:

@@ -76,15 +76,18 @@ class DataParallelConfig:
     bucket, its parameters and the ranks that have not reached it, then keep waiting
     (:mod:`mini_ddp.engine.stall`). Free until a wait is that slow. ``None``: no warning."""
 
-    zero_copy_write_back: bool = True
-    """After the all-reduce, make ``param.grad`` the bucket's view instead of copying the bucket
-    into a separate ``.grad`` (DDP's default). Same bits, one gradient-sized copy less at the
-    end of every backward, and the separate ``.grad`` tensors are freed. Before the next
-    backward overwrites a bucket, the reducer checks that nothing but ``.grad`` looks into it
-    (a gradient saved without ``clone()``, a view of one); if something does, that bucket
-    moves to a fresh buffer, so saved gradients keep their values as under DDP. Applies to the
-    plain path only (not with ``find_unused_parameters``, ``static_graph`` or
-    ``gradient_as_bucket_view``, which keep DDP's rules). ``False``: copy, exactly as DDP."""
+    zero_copy_write_back: bool = False
+    """Opt-in. After the all-reduce, make ``param.grad`` the bucket's view instead of copying the
+    bucket into a separate ``.grad`` (DDP's way, the default). One gradient-sized copy less at
+    the end of every backward, and no separate ``.grad`` tensors. Before the next backward
+    overwrites a bucket, the reducer checks from reference counts that nothing but ``.grad``
+    looks into it (a gradient saved without ``clone()``, a view of one, a weak reference); if
+    something does, that bucket moves to a fresh buffer. Consumers that keep a raw pointer are
+    invisible to that check — a DLPack/NumPy export (``np.from_dlpack``, ``.numpy()``), a kept
+    ``untyped_storage()``, ``data_ptr()`` — and can see a later step's values where DDP's
+    separate ``.grad`` would not (docs/limitations.md lists them). Applies to the plain path
+    only (not with ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` or
+    mixed precision, which keep DDP's rules). ``False``: copy, exactly as DDP."""
 
     shared_memory_allreduce: bool = True
     """With exactly two CPU ranks on one machine (the default group, Gloo), sum buckets of

@@ -8,14 +8,19 @@ not on the path of one gradient (that path is :mod:`mini_ddp.engine.reducer`):
 * the hooks of the first backward record the order in which gradients arrive
   (:meth:`BucketLayout.record_ready`), and before the second forward
   :meth:`BucketLayout.rebuild_if_needed` rebuilds the buckets once in that order, with rank 0's
-  layout (DDP's ``rebuild_buckets``).
+  layout (DDP's ``rebuild_buckets``);
+* which of several live wrappers of the same parameters armed last
+  (:meth:`BucketLayout.armed_elsewhere`): each keeps its hooks, as torch DDP's reducers do,
+  and a backward belongs to the wrapper whose forward ran.
 
 It knows parameters, the config and the transport, never the reducer, which owns one.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +37,37 @@ from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmAllocationError, sh
 logger = logging.getLogger("mini_ddp")
 
 
+class _ArmedBy:
+    """Per parameter (by identity), the layout whose reducer armed last for a backward.
+
+    Entries go with their parameter; only weak references are held, so a dropped wrapper is
+    freed at once. (A ``WeakKeyDictionary`` would compare tensors with ``==``.)
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, list[Any]] = {}  # id(param) -> [weakref(param), weakref(layout)]
+
+    def claim(self, params: Sequence[torch.Tensor], layout: weakref.ref) -> None:
+        for p in params:
+            entry = self._entries.get(id(p))
+            if entry is None or entry[0]() is not p:
+                entry = self._entries[id(p)] = [
+                    weakref.ref(p, functools.partial(self._forget, id(p))), None]
+            entry[1] = layout
+
+    def holder(self, param: torch.Tensor) -> Any:
+        entry = self._entries.get(id(param))
+        return None if entry is None or entry[0]() is not param else entry[1]()
+
+    def _forget(self, key: int, dead: weakref.ref) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is dead:
+            del self._entries[key]
+
+
+_ARMED_BY = _ArmedBy()
+
+
 class BucketLayout:
     """The reducer's buckets, where each parameter sits in them, and their rebuild."""
 
@@ -46,6 +82,7 @@ class BucketLayout:
         self.has_rebuilt = False
         self.rebuild_order: list[int] = []  # gradient-ready order seen by the recording backward
         self.grad_dtype: torch.dtype | None = None  # set by use_grad_dtype
+        self._me = weakref.ref(self)
         # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
         # (then DDP applies the size caps over the definition order). The list is reversed so
         # the last-defined parameters, whose gradients come first, are in bucket 0.
@@ -117,10 +154,20 @@ class BucketLayout:
 
     def arm(self) -> None:
         """Before a synced backward: every bucket waits for all its gradients again."""
+        _ARMED_BY.claim(self.params, self._me)
         for bucket in self.buckets:
             bucket.pending = len(bucket.param_indices)
             bucket.future = None
             bucket.deferred.clear()  # batched_grad_copy: nothing deferred yet
+
+    def armed_elsewhere(self, index: int) -> bool:
+        """Has another live wrapper of parameter ``index`` armed for a backward since this one?
+
+        Then a gradient after this layout's synchronised step is that wrapper's (torch DDP's
+        reducer ignores a hook it does not expect), not a second backward of ours.
+        """
+        holder = _ARMED_BY.holder(self.params[index])
+        return holder is not None and holder is not self
 
     def record_ready(self, *indices: int) -> None:
         """Note that these parameters' gradients are the next ones to become ready."""

@@ -103,8 +103,8 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
     (default: the process group's timeout; see :class:`DataParallelConfig` and
     docs/reliability.md); ``stall_warning_s`` — after this long (60 s) waiting for a bucket,
     log a warning naming the ranks that have not reached it (None: off); ``zero_copy_write_back`` —
-    ``.grad`` becomes a view of its bucket after the all-reduce instead of a copy of it (same
-    bits, one gradient-sized copy less per step; docs/performance.md);
+    opt-in (default False): ``.grad`` becomes a view of its bucket after the all-reduce instead
+    of a copy of it (one gradient-sized copy less per step; its limits: docs/limitations.md);
     ``shared_memory_allreduce`` / ``shared_memory_min_bytes`` — two CPU ranks on one machine sum
     buckets of at least that size through shared memory instead of Gloo (same bits).
     """
@@ -121,7 +121,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
                  bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *,
                  sync_timeout_s: float | None = None, stall_warning_s: float | None = 60.0,
-                 zero_copy_write_back: bool = True,
+                 zero_copy_write_back: bool = False,
                  shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20):
         # Not DistributedDataParallel.__init__: it would build torch's C++ reducer.
         nn.Module.__init__(self)

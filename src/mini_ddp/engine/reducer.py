@@ -138,9 +138,10 @@ class Reducer(TorchReducerAPI, ReducerState):
                 step.static_hook_counts[index] += 1  # reducing waits: delay_all_reduce
                 return
             if not step.expect_hooks:
-                if step.synced_this_step:
+                if step.synced_this_step and not self.layout.armed_elsewhere(index):
                     # A second backward on a synced forward: torch DDP ignores the hook and lets
-                    # the gradient stay local (the ranks drift apart). We refuse it.
+                    # the gradient stay local (the ranks drift apart). We refuse it. (Another
+                    # wrapper of the same parameters armed since: its backward, not ours.)
                     raise MarkedTwiceError(self.rank, self.names[index], index, after_sync=True)
                 unarmed = step.unarmed(self.rank, self.names[index], index)
                 if unarmed is not None:  # backward inside a forward nobody armed: refused

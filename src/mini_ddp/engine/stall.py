@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,13 +137,25 @@ class StallMonitor:
 
     def __init__(self, reducer: Any, process_group: Any, limit_s: float = 60.0,
                  store: Any = None):
-        self.reducer, self.limit_s = reducer, limit_s
+        # Weak: the reducer's stall seam holds this monitor (its bound on_stall), so a strong
+        # reference back would be a cycle that keeps a dropped model's reducer — and its
+        # AccumulateGrad hooks — alive until a garbage collection (torch DDP frees at once).
+        try:
+            self._reducer = weakref.ref(reducer)
+        except TypeError:  # a stand-in that cannot be weakly referenced (tests, tools)
+            self._reducer = lambda: reducer
+        self.limit_s = limit_s
         group = getattr(process_group, "group_name", "default")
         self._prefix = f"mini_ddp/stall/{group}/{next(_SESSIONS)}"
         self._store = store
         self._replaced: tuple[Any, float | None] | None = None
         self._responder: StackResponder | None = None
         self.answer_s = ANSWER_S  # how long a report waits for a late rank's stack
+
+    @property
+    def reducer(self) -> Any:
+        """The reducer watched (None once it has been freed)."""
+        return self._reducer()
 
     @property
     def store(self) -> Any:

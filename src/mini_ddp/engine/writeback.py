@@ -4,7 +4,7 @@
 
 * :func:`copy_out` — DDP's copy of a whole bucket into the separate ``.grad`` tensors, in one
   foreach copy (the plain path with ``zero_copy_write_back=False``);
-* :func:`hand_out` — the zero-copy write-back (the plain path's default): ``.grad`` *becomes*
+* :func:`hand_out` — the zero-copy write-back (opt-in, ``zero_copy_write_back=True``): ``.grad`` *becomes*
   its view of the bucket. Before the next backward writes into a bucket, the reducer calls
   :func:`reclaim_buffers`, which moves any bucket that something besides ``.grad`` still looks
   into (:func:`held_elsewhere`) to a fresh buffer, so saved gradients keep DDP's values.
@@ -13,20 +13,29 @@
 * :func:`write_back` — one parameter at a time, for the paths with DDP's own rules: unused
   parameters, static graphs, ``gradient_as_bucket_view``, a comm hook returning a new tensor.
 
-Whether anybody else holds a tensor is read from Python reference counts
-(:func:`held_elsewhere`, :func:`is_private`), against a baseline measured once at import
-through the same calls (:func:`_calibrate`).
+Whether anybody else holds a tensor is read from reference counts — Python's, the C++
+tensor's and weak ones (:func:`held_elsewhere`, :func:`is_private`) — against a baseline
+measured once, on first use, through the same calls (:func:`_baseline`). That is why the
+zero-copy write-back is opt-in: a consumer that keeps only a raw pointer or a storage object
+is invisible to any count (docs/limitations.md lists what breaks it).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from mini_ddp.engine.buckets import Bucket, shares_storage, storage_use_count
+from mini_ddp.engine.buckets import (
+    Bucket,
+    shares_storage,
+    storage_object_refs,
+    storage_use_count,
+)
 
 if TYPE_CHECKING:
     from mini_ddp.transport.shm import SharedMemoryAllreduce
@@ -62,16 +71,12 @@ def hand_out(bucket: Bucket) -> None:
     identity and gets a copy, as in DDP. Values are copies of the same bits either way.
     """
     for param, view in zip(bucket.params, bucket.views, strict=True):
-        # Read into a local and passed to is_private as is: _calibrate measured exactly
-        # these references (is_private's own argument is its ``+ 1``).
-        grad = param.grad
-        if grad is view:
+        if param.grad is view:
             continue  # accumulated in place (zero_grad(set_to_none=False)): already there
-        if grad is None or is_private(grad):
+        if param.grad is None or is_private(param):
             param.grad = view  # the tensor autograd made is dropped: nobody can see it
         else:
-            grad.copy_(view)
-        del grad
+            param.grad.copy_(view)
     bucket.handed_out = True
 
 
@@ -171,48 +176,64 @@ def assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 # ---- who else holds a tensor: reference counts ------------------------------------------
-def _view_refs(bucket: Bucket) -> list[int]:
-    """Python references to each of ``bucket``'s views, not counting its own ``.grad``."""
-    return [sys.getrefcount(v) - (p.grad is v) for p, v in zip(bucket.params, bucket.views,
-                                                                  strict=True)]
+# Every count is taken of a value on the evaluation stack (``param.grad``, ``map`` over a
+# list), never of a local variable: a tool that reads ``frame.f_locals`` (a debugger, some
+# coverage modes) snapshots locals into a dict that holds them once more, which would shift a
+# baseline measured through locals. Each count sees different holders: Python references (a
+# list, a closure, ``.numpy()``), references to the C++ tensor (a DLPack export such as
+# ``np.from_dlpack``), weak references (``weakref.ref``), the storage's users (a view) and the
+# storage's Python object (a kept ``untyped_storage()``).
+def _view_counts(bucket: Bucket) -> list[tuple[int, int, int]]:
+    """(Python refs, C++ tensor refs, weak refs) of each view, not counting its own ``.grad``."""
+    refs = list(map(sys.getrefcount, bucket.views))
+    impl = list(map(torch.Tensor._use_count, bucket.views))
+    weak = list(map(weakref.getweakrefcount, bucket.views))
+    is_grad = [p.grad is v for p, v in zip(bucket.params, bucket.views, strict=True)]
+    return [(r - g, i - g, w) for r, i, w, g in zip(refs, impl, weak, is_grad, strict=True)]
 
 
-def _grad_refs(grad: torch.Tensor) -> int:
-    return sys.getrefcount(grad)
+def _grad_counts(param: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(Python refs, C++ tensor refs, weak refs, storage users, storage object refs) of
+    ``param.grad``."""
+    return (sys.getrefcount(param.grad), param.grad._use_count(),
+            weakref.getweakrefcount(param.grad), storage_use_count(param.grad),
+            storage_object_refs(param.grad))
 
 
-def _calibrate() -> tuple[int, int]:
-    """What :func:`_view_refs` and :func:`_grad_refs` read when nothing else holds a tensor.
+@functools.cache
+def _baseline() -> tuple[tuple[int, int, int], tuple[int, int, int, int, int]]:
+    """What :func:`_view_counts` and :func:`_grad_counts` read when nothing else holds a tensor.
 
-    Measured once on this interpreter rather than assumed: reference counts of arguments and
-    locals differ between Python versions. The grad probe mirrors :func:`hand_out` minus one
-    layer: a local read from ``.grad``, passed straight to :func:`_grad_refs`, where
-    :func:`is_private` adds its own argument (hence its ``+ 1``).
+    Measured once, on first use, on this interpreter rather than assumed: reference counts
+    differ between Python and torch versions. Through the same calls on a probe, so it means
+    the same in use.
     """
     param = torch.nn.Parameter(torch.zeros(2))
     probe = Bucket.build(0, [0], [param])
     param.grad = probe.views[0]
-    view_refs = _view_refs(probe)[0]
-    param.grad = torch.zeros(2)
-    grad = param.grad
-    grad_refs = _grad_refs(grad)
-    return view_refs, grad_refs
-
-
-_VIEW_REFS, _GRAD_REFS = _calibrate()
+    view_counts = _view_counts(probe)[0]
+    param.grad = torch.zeros(2)  # as autograd leaves it: referenced by .grad alone
+    return view_counts, _grad_counts(param)
 
 
 def held_elsewhere(bucket: Bucket) -> bool:
-    """Does anything besides the bucket and the ``.grad`` slots look into its buffer?"""
-    return (storage_use_count(bucket.buffer) != bucket.base_refs
-            or any(refs != _VIEW_REFS for refs in _view_refs(bucket)))
+    """Does anything besides the bucket and the ``.grad`` slots look into its buffer?
 
-
-def is_private(grad: torch.Tensor) -> bool:
-    """Is ``grad`` (a parameter's ``.grad``, read into a local) seen by nobody else?
-
-    True for the tensor autograd just stored: no other Python reference, not a view, no view
-    of it anywhere (its storage is referenced by it alone), not part of a graph.
+    Blind to holders no count sees: a raw pointer (``data_ptr()``, ``ctypes``, a C extension
+    that copied one), anything reached through ``.data`` of ``.grad`` (docs/limitations.md).
     """
-    return (not grad.requires_grad and grad._base is None
-            and storage_use_count(grad) == 2 and _grad_refs(grad) == _GRAD_REFS + 1)
+    baseline = _baseline()[0]
+    return (storage_use_count(bucket.buffer) != bucket.base_refs
+            or storage_object_refs(bucket.buffer) != bucket.storage_refs
+            or any(counts != baseline for counts in _view_counts(bucket)))
+
+
+def is_private(param: torch.Tensor) -> bool:
+    """Is ``param.grad`` seen by nobody else?
+
+    True for the tensor autograd just stored: no other Python, C++ or weak reference, not a
+    view, no view of it anywhere nor a kept storage object (its storage is referenced by it
+    alone), not part of a graph.
+    """
+    return (not param.grad.requires_grad and param.grad._base is None
+            and _grad_counts(param) == _baseline()[1])

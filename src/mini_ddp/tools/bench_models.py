@@ -44,6 +44,7 @@ BENCH_BATCH: dict[str, int] = {"resnet18": 32, "mlp20m": 64, "transformer": 16, 
 ENGINES = ("torch_ddp", "mini_ddp", "naive", "compute")
 # Ablations, on request (--engines): mini_ddp with one of its own speed-ups switched off.
 ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False},
+             "mini_ddp_zero_copy": {"zero_copy_write_back": True},
              "mini_ddp_gloo": {"shared_memory_allreduce": False},
              "mini_ddp_v1": {"zero_copy_write_back": False, "shared_memory_allreduce": False},
              "mini_ddp_nostall": {"stall_warning_s": None}}

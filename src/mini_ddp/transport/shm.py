@@ -2,7 +2,7 @@
 
 Gloo sums over TCP even when both ranks share a host (a 76 MiB float32 all-reduce costs
 50-70 ms of CPU per rank on loopback, docs/performance.md). Here each rank's bucket buffer lives
-in a ``/dev/shm`` file the peer maps too (:mod:`mini_ddp.transport.shm_files`; which buffer is
+in a memory segment the peer maps too (:mod:`mini_ddp.transport.shm_files`; which buffer is
 which slot: :mod:`mini_ddp.transport.shm_slots`), and an all-reduce is:
 
 1. *ready*: a tiny collective on a private Gloo group (:mod:`mini_ddp.transport.shm_sync`). It
@@ -26,15 +26,18 @@ future like ``dist.all_reduce(..., async_op=True).get_future()``. Only that thre
 private group, so its syncs never interleave with the main thread's collectives. A dead peer
 makes the group's next collective raise (Gloo notices a closed connection at once, a hung peer
 at the default group's timeout): a :class:`~mini_ddp.errors.CollectiveError` on the future,
-and every later call fails at once. Each file is unlinked before
-:meth:`~SharedMemoryAllreduce.allocate` returns (the mappings outlive the names), so a process
-that dies later leaves nothing behind. Fast for big buffers (about a third of Gloo's wall
+and every later call fails at once. The segments are anonymous memory files (``memfd``), never
+named in ``/dev/shm`` or anywhere else: the peer maps one through the creator's open descriptor
+(``/proc/<pid>/fd``), which is closed as soon as the peer has mapped it, and the memory goes
+with the last mapping. So no file outlives the processes, whatever kills them and whenever —
+creation, mapping, renewal or use, under any launcher. Fast for big buffers (about a third of Gloo's wall
 time), slower than Gloo for tiny ones (two round trips and a thread hand-off).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +50,8 @@ from mini_ddp.transport.shm_files import (
     SHM_DIR,
     ShmAllocationError,
     ShmError,
-    map_segment,
-    segment_path,
+    create_segment,
+    segment_name,
 )
 from mini_ddp.transport.shm_slots import SlotTable
 from mini_ddp.transport.shm_sum import shm_supported, sum_range
@@ -70,6 +73,11 @@ __all__ = [
     "shm_supported",
 ]
 
+_RELEASE_WAIT_S = 0.5
+"""How long :meth:`SharedMemoryAllreduce.close` without ``wait`` gives queued work to finish
+before it leaves the private group to the process's end."""
+
+
 class SharedMemoryAllreduce:
     """Sum all-reduce between the two ranks of a one-machine job through shared memory.
 
@@ -78,15 +86,15 @@ class SharedMemoryAllreduce:
     :meth:`all_reduce`; results are bitwise equal to ``dist.all_reduce`` over Gloo. Both ranks
     must make the same calls in the same order. :meth:`close` it when done.
 
-    ``token`` is the random part of this transport's file names (``FILE_PREFIX + token``).
-    The constructor is internal: use :meth:`create`.
+    ``token`` is the random part of this transport's segment labels (``FILE_PREFIX + token``,
+    seen in ``/proc/<pid>/maps``). The constructor is internal: use :meth:`create`.
     """
 
-    def __init__(self, side_group: dist.ProcessGroup, rank: int, token: str):
+    def __init__(self, side_group: dist.ProcessGroup, rank: int, token: str, peer_pid: int):
         self.rank = rank
         self.peer = 1 - rank
         self.token = token
-        self._sync = PairSync(side_group, rank)
+        self._sync = PairSync(side_group, rank, peer_pid)
         self._next_slot = 0
         self._table = SlotTable()  # buffers, peer mappings, generations (shm_slots)
         self._closed = False
@@ -118,13 +126,13 @@ class SharedMemoryAllreduce:
         Collective on the transport's group: both ranks call it in the same order with the
         same arguments (otherwise :class:`ShmDesyncError` on both, and the transport is
         unusable). It runs on the worker thread, after any queued all-reduces, and blocks
-        until done. Each rank unlinks its own file before its call returns, so once both have
-        returned nothing is left in ``/dev/shm`` (the mappings stay); the memory is released when the caller drops the tensor after :meth:`free` (or
-        :meth:`close`). Any dtype is accepted, but :meth:`all_reduce` sums only float32 and
-        float64 (:func:`shm_supported`). ``numel`` 0 gives an empty tensor without a file.
+        until done. The segment has no name anywhere (see the module docstring); the memory is
+        released when the caller drops the tensor after :meth:`free` (or :meth:`close`). Any
+        dtype is accepted, but :meth:`all_reduce` sums only float32 and float64
+        (:func:`shm_supported`). ``numel`` 0 gives an empty tensor without a segment.
 
         Raises :class:`ShmAllocationError` on both ranks when either cannot create or map its
-        file (e.g. ``/dev/shm`` is full); the transport stays usable.
+        segment (e.g. memory is exhausted); the transport stays usable.
         """
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"allocate: numel must be an int >= 0, got {numel!r}")
@@ -173,21 +181,22 @@ class SharedMemoryAllreduce:
         For a caller that cannot overwrite the old buffer (someone still looks into it): the
         old tensor stays valid and becomes an ordinary tensor, no longer reduced. The peer
         learns of the new buffer at the next ready sync of the slot (each rank announces its
-        buffer's generation there) and maps it then; the new file is unlinked after that
-        reduction's done sync. Call it only while no reduction of the slot is in flight.
+        buffer's generation and descriptor there) and maps it then; this rank's descriptor is
+        closed after that reduction's done sync. Call it only while no reduction of the slot is
+        in flight.
         """
         self._check_open("renew")
         slot = self._table.slot_of(tensor, "renew")
         gen = self._table.own_gen.get(slot, 0) + 1
-        path = self._path(self.rank, slot, gen)
+        name = segment_name(self.token, self.rank, slot, gen)
         try:
-            fresh = map_segment(path, tensor.numel(), tensor.dtype, create=True)
+            fresh = create_segment(name, tensor.numel(), tensor.dtype)
         except OSError as err:
-            raise ShmAllocationError(f"mini_ddp: rank {self.rank} could not create {path}: "
+            raise ShmAllocationError(f"mini_ddp: rank {self.rank} could not create {name}: "
                                      f"{err}") from err
         with self._lock:
-            self._table.renewed(tensor, fresh, slot, gen, path)
-        return fresh
+            self._table.renewed(tensor, fresh.tensor, slot, gen, fresh.fd)
+        return fresh.tensor
 
     def free(self, tensor: torch.Tensor) -> None:
         """Forget the buffer ``tensor`` (from :meth:`allocate`) and its mapping of the peer's.
@@ -206,14 +215,24 @@ class SharedMemoryAllreduce:
 
         Later calls of :meth:`allocate` and :meth:`all_reduce` raise :class:`ShmError`.
         ``wait=False`` does not wait for the worker (it may be stuck on a dead peer): for
-        finalizers, which must not block.
+        finalizers, which must not block; it gives queued work half a second to finish before
+        it destroys the private group (otherwise the group goes with the process).
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            drained = self._worker.submit(lambda: None)  # done once the queued work is
             self._worker.stop(wait)
         self._table.clear()
+        # The private group's connections go here, on the caller's thread, once the worker
+        # is done with it — never on the worker (a process may be exiting under it), and not
+        # if it is stuck on a dead peer (then the group goes with the process).
+        deadline = time.monotonic() + _RELEASE_WAIT_S
+        while not drained.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if drained.done():
+            self._sync.release()
 
     # ----------------------------------------------------------------------------- internals
     def _check_open(self, what: str) -> None:
@@ -223,9 +242,6 @@ class SharedMemoryAllreduce:
 
     def _submit(self, job: Callable[[], Any]) -> torch.futures.Future:
         return self._worker.submit(job)
-
-    def _path(self, rank: int, slot: int, gen: int = 0) -> str:
-        return segment_path(self.token, rank, slot, gen)
 
     def _allocate(self, slot: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         self._sync.ready(ALLOCATE, slot, numel, dtype, self._table.own_gen.get(slot, 0))
@@ -239,13 +255,14 @@ class SharedMemoryAllreduce:
     def _reduce(self, slot: int, own: torch.Tensor) -> list[torch.Tensor]:
         n = own.numel()
         table = self._table
-        peer_gen = self._sync.ready(ALL_REDUCE, slot, n, own.dtype, table.own_gen.get(slot, 0))
+        peer_gen, peer_fd = self._sync.ready(ALL_REDUCE, slot, n, own.dtype,
+                                             table.own_gen.get(slot, 0), table.unmapped_fd(slot))
         lo, hi = (0, n // 2) if self.rank == 0 else (n // 2, n)
         ok = False
         try:
             if peer_gen != table.peer_gen.get(slot, 0):  # the peer renewed its buffer: map it
-                table.peer[slot] = map_segment(self._path(self.peer, slot, peer_gen), n,
-                                               own.dtype, create=False)
+                table.peer[slot] = self._sync.open_peer(self.token, slot, peer_gen, peer_fd, n,
+                                                        own.dtype)
                 table.peer_gen[slot] = peer_gen
             sum_range(own, table.peer[slot], lo, hi)
             ok = True

@@ -1,26 +1,34 @@
-"""Shared-memory segments: files in ``/dev/shm`` that two processes map as one tensor.
+"""Shared-memory segments: anonymous memory files that two processes map as one tensor.
 
 The memory half of :mod:`mini_ddp.transport.shm` (which holds the all-reduce protocol).
-In that folder (``SHM_DIR``) files are named ``mini_ddp_shm_<token>_r<rank>_s<slot>`` (plus
-``_g<generation>`` for a renewed buffer), the token drawn per transport, so two jobs or two transports never collide.
-Space is reserved with ``posix_fallocate``: a full ``/dev/shm`` (Docker's default is 64 MiB)
-raises an ``OSError`` here instead of a SIGBUS on first write.
+A segment is a ``memfd`` (``os.memfd_create``): a file in memory with no name in any
+directory, so nothing can be left behind in ``/dev/shm`` (``SHM_DIR``) or anywhere else,
+whatever kills the processes and whenever — the kernel frees the memory once the last
+mapping and descriptor are gone. The peer maps it by opening the creator's descriptor
+through ``/proc/<pid>/fd/<fd>`` while the creator holds it open (the transport closes it once
+the peer has mapped it). Each segment is labelled ``mini_ddp_shm_<token>_r<rank>_s<slot>``
+(plus ``_g<generation>`` for a renewed buffer), the token drawn per transport; the label shows
+in ``/proc/<pid>/maps`` and is checked before the peer maps a descriptor, so a reused pid or
+descriptor number cannot hand it the wrong memory. Space is reserved with ``posix_fallocate``:
+running out of memory raises an ``OSError`` here instead of a SIGBUS on first write.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+from dataclasses import dataclass
 
 import torch
 
 from mini_ddp.errors import MiniDDPError
 
 SHM_DIR = "/dev/shm"
-"""Where the buffers' files are created (and unlinked again at once)."""
+"""Where POSIX shared-memory files live. The transport creates none there (its segments
+have no name); tests list it to show that nothing of ours is left."""
 
 FILE_PREFIX = "mini_ddp_shm_"
-"""Every file the shared-memory transport creates in :data:`SHM_DIR` starts with this."""
+"""Every segment label of the shared-memory transport starts with this."""
 
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -36,43 +44,105 @@ class ShmAllocationError(ShmError):
     """
 
 
-def segment_path(token: str, rank: int, slot: int, gen: int = 0) -> str:
-    """The file of ``rank``'s buffer for ``slot`` (generation ``gen``) of transport ``token``."""
-    return os.path.join(SHM_DIR, f"{FILE_PREFIX}{token}_r{rank}_s{slot}"
-                        + (f"_g{gen}" if gen else ""))
+@dataclass
+class Segment:
+    """A segment this process created: its tensor, and the descriptor the peer opens."""
+
+    tensor: torch.Tensor
+    fd: int
 
 
-def unlink_quietly(path: str) -> None:
-    """Remove ``path``; already gone is fine."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def segment_name(token: str, rank: int, slot: int, gen: int = 0) -> str:
+    """The label of ``rank``'s buffer for ``slot`` (generation ``gen``) of transport ``token``."""
+    return f"{FILE_PREFIX}{token}_r{rank}_s{slot}" + (f"_g{gen}" if gen else "")
 
 
-def map_segment(path: str, numel: int, dtype: torch.dtype, create: bool) -> torch.Tensor:
-    """A 1-D tensor over the file ``path``, mapped shared; the mapping lives as long as it.
+def close_quietly(fd: int | None) -> None:
+    """Close ``fd``; already closed (or None) is fine."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
-    ``create``: make the file (it must not exist yet) and reserve its space, zero-filled.
-    Otherwise the file must exist with exactly the expected size. Raises ``OSError``.
-    """
-    nbytes = numel * dtype.itemsize
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, nbytes)
-            # tmpfs allocates pages on first touch and answers a full /dev/shm with SIGBUS;
-            # reserving them now turns that into an OSError (ENOSPC) here.
-            os.posix_fallocate(fd, 0, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
-            raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")
-        mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        if create:
-            unlink_quietly(path)  # ours (O_EXCL): nobody else will remove it
-        raise
-    finally:
-        os.close(fd)
+
+def _map(fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    mapping = mmap.mmap(fd, numel * dtype.itemsize, flags=_MAP_FLAGS,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
     # frombuffer keeps a reference to the mmap object: unmapped when the tensor's storage dies.
     return torch.frombuffer(mapping, dtype=dtype, count=numel)
+
+
+def create_segment(name: str, numel: int, dtype: torch.dtype) -> Segment:
+    """A fresh zero-filled segment labelled ``name``, of ``numel`` > 0 elements of ``dtype``.
+
+    The caller owns the returned descriptor: :func:`close_quietly` it once the peer has
+    mapped the segment (the mapping outlives it). Raises ``OSError``.
+    """
+    nbytes = numel * dtype.itemsize
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)  # close-on-exec: a child's exec drops it
+    try:
+        os.ftruncate(fd, nbytes)
+        # Memory files allocate pages on first touch and answer exhausted memory with SIGBUS;
+        # reserving them now turns that into an OSError (ENOSPC/ENOMEM) here.
+        os.posix_fallocate(fd, 0, nbytes)
+        return Segment(_map(fd, numel, dtype), fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_fd(pid: int, fd: int, name: str) -> int:
+    """Open process ``pid``'s descriptor ``fd``, which must be the segment labelled ``name``.
+
+    Raises ``OSError`` when it is not (the process died, the number was reused) or cannot be
+    opened (another pid namespace or machine, or ``/proc`` access refused).
+    """
+    path = f"/proc/{pid}/fd/{fd}"
+    target = os.readlink(path)
+    if target != f"/memfd:{name} (deleted)":
+        raise OSError(f"{path} is {target!r}, not the segment {name}")
+    opened = os.open(path, os.O_RDWR)
+    if os.readlink(f"/proc/self/fd/{opened}") != target:  # swapped between the two calls
+        os.close(opened)
+        raise OSError(f"{path} changed while it was opened")
+    return opened
+
+
+def open_segment(pid: int, fd: int, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Map the peer's segment ``name`` (its descriptor ``fd`` in process ``pid``) as a tensor.
+
+    The segment must hold exactly ``numel`` elements of ``dtype``. Raises ``OSError``.
+    """
+    nbytes = numel * dtype.itemsize
+    opened = open_fd(pid, fd, name)
+    try:
+        size = os.fstat(opened).st_size
+        if size != nbytes:
+            raise OSError(f"segment {name} holds {size} bytes, expected {nbytes}")
+        return _map(opened, numel, dtype)
+    finally:
+        os.close(opened)
+
+
+def create_probe(name: str, content: bytes) -> int:
+    """A small memory file labelled ``name`` holding ``content``; returns its descriptor.
+
+    What a peer reads with :func:`read_probe` proves that it can map this process's segments.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.write(fd, content)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_probe(pid: int, fd: int, name: str) -> bytes:
+    """What the probe ``name`` of process ``pid`` (descriptor ``fd``) holds. Raises ``OSError``."""
+    opened = open_fd(pid, fd, name)
+    try:
+        return os.pread(opened, 4096, 0)
+    finally:
+        os.close(opened)

@@ -3,7 +3,7 @@
 Every buffer :meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.allocate` hands out is a
 *slot*: this rank's tensor, its mapping of the peer's tensor, and — after
 :meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.renew` — each side's generation and the
-renewed file the peer has not mapped yet. Buffers are known by identity (the tensor object
+descriptor of the renewed segment the peer has not mapped yet. Buffers are known by identity (the tensor object
 itself), never by value. The table does no locking and no communication: the transport does.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mini_ddp.transport.shm_files import unlink_quietly
+from mini_ddp.transport.shm_files import close_quietly
 
 
 class SlotTable:
@@ -23,11 +23,12 @@ class SlotTable:
         self.by_id: dict[int, int] = {}  # id(own buffer) -> slot
         self.own: dict[int, torch.Tensor] = {}
         self.peer: dict[int, torch.Tensor] = {}
-        # renew(): a slot's generation on each side, and our renewed files the peer has not
-        # mapped yet (unlinked after the next done sync of that slot, when it has).
+        # renew(): a slot's generation on each side, and the descriptors of our renewed
+        # segments the peer has not mapped yet (closed after the next done sync of that slot,
+        # when it has).
         self.own_gen: dict[int, int] = {}
         self.peer_gen: dict[int, int] = {}
-        self.unmapped: dict[int, str] = {}
+        self.unmapped: dict[int, int] = {}
 
     def add(self, slot: int, own: torch.Tensor, peer: torch.Tensor) -> None:
         """A freshly allocated slot: ``own`` (ours) and ``peer`` (our mapping of theirs)."""
@@ -53,29 +54,32 @@ class SlotTable:
                 f"object itself, not a view or copy, and not freed), got {shown}")
         return slot
 
-    def renewed(self, old: torch.Tensor, fresh: torch.Tensor, slot: int, gen: int, path: str
+    def renewed(self, old: torch.Tensor, fresh: torch.Tensor, slot: int, gen: int, fd: int
                 ) -> None:
-        """``fresh`` (generation ``gen``, file ``path``) replaces ``old`` as ``slot``'s buffer."""
+        """``fresh`` (generation ``gen``, descriptor ``fd``) replaces ``old`` as ``slot``'s
+        buffer."""
         self.drop_unmapped(slot)  # renewed twice before a reduction: never mapped
         del self.by_id[id(old)]
         self.by_id[id(fresh)] = slot
-        self.own[slot], self.own_gen[slot], self.unmapped[slot] = fresh, gen, path
+        self.own[slot], self.own_gen[slot], self.unmapped[slot] = fresh, gen, fd
 
     def forget(self, tensor: torch.Tensor, slot: int) -> None:
         """Drop ``slot`` (whose buffer is ``tensor``) and our mapping of the peer's."""
         del self.by_id[id(tensor)], self.own[slot], self.peer[slot]
 
+    def unmapped_fd(self, slot: int) -> int:
+        """The descriptor of ``slot``'s renewed segment the peer has yet to map (-1: none)."""
+        return self.unmapped.get(slot, -1)
+
     def drop_unmapped(self, slot: int) -> None:
-        """Unlink ``slot``'s renewed file if it is still there."""
-        path = self.unmapped.pop(slot, None)
-        if path is not None:
-            unlink_quietly(path)
+        """Close the descriptor of ``slot``'s renewed segment if it is still open."""
+        close_quietly(self.unmapped.pop(slot, None))
 
     def clear(self) -> None:
-        """Forget every buffer and unlink every renewed file not yet mapped."""
+        """Forget every buffer and close every renewed segment's descriptor."""
         self.by_id.clear()
         self.own.clear()
         self.peer.clear()
-        for path in self.unmapped.values():
-            unlink_quietly(path)
+        for fd in self.unmapped.values():
+            close_quietly(fd)
         self.unmapped.clear()
