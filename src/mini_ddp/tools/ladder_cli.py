@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
-                        help="DDP's bucket_cap_mb (default: DDP's 25 MiB, first bucket 1 MiB)")
+                        help="DDP's bucket_cap_mb (default: DDP's 25 MiB with a 1 MiB first bucket; "
+                             "a cap you set replaces both)")
     parser.add_argument("--rungs", default=",".join(RUNGS),
                         help="comma-separated, from: " + ", ".join(RUNGS))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
