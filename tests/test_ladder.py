@@ -11,7 +11,11 @@ then divides; DDP multiplies by 1/3, then sums), while rungs 3 and 4 still do.
 from __future__ import annotations
 
 import copy
+import re
+import shlex
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp.engine import buckets as engine_buckets
 from mini_ddp.ladder import (
-    BucketedDataParallel,
     NaiveDataParallel,
     OverlappedDataParallel,
     UnusedAndNoSyncDataParallel,
@@ -383,5 +386,42 @@ def test_gloo_sums_each_third_of_a_buffer_in_a_different_order():
         assert all(order in label for label in labels[4 * chunk:4 * chunk + 4]), labels
 
 
-def test_bucketed_rung_is_importable_and_wraps():
-    assert issubclass(BucketedDataParallel, nn.Module)
+# ---- docs/buckets.md: every quoted figure is what its command prints ----------------------
+_DOC = Path(__file__).resolve().parents[1] / "docs" / "buckets.md"
+_PAIR = re.compile(r"^( *)```bash\n *(.+?)\n *```\n\n *```text\n(.*?)^ *```", re.M | re.S)
+
+
+def _doc_commands() -> list[tuple[str, list[str]]]:
+    return [(cmd, [line.strip() for line in out.splitlines() if line.strip()])
+            for _, cmd, out in _PAIR.findall(_DOC.read_text())]
+
+
+def test_the_bucket_page_quotes_four_commands():
+    assert len(_doc_commands()) == 4
+
+
+@pytest.mark.parametrize("command,expected", _doc_commands(),
+                         ids=[c.split()[2] if c.startswith("python -m") else c[10:40]
+                              for c, _ in _doc_commands()])
+def test_the_bucket_page_figures_are_what_the_commands_print(command, expected, capsys):
+    if command.startswith("python -m mini_ddp ladder"):
+        from mini_ddp.tools import ladder_cli
+
+        ladder_cli.main(shlex.split(command)[4:])
+        printed = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    else:  # a python -c one-liner
+        argv = [sys.executable, *shlex.split(command)[1:]]
+        printed = [line.strip() for line in subprocess.run(
+            argv, capture_output=True, text=True, check=True, timeout=120).stdout.splitlines()]
+    for line in expected:
+        assert line in printed, (line, printed)
+
+
+def test_rung_2_caps_follow_torch_ddp():
+    """A user's bucket_cap_mb replaces the 1 MiB first cap, in torch DDP as in rung 2."""
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    for cap in (None, 25, 0.5, 0.001):
+        torch_caps = _BucketCapacityConfig.create(cap, None, False)
+        assert size_limits(cap)[0] == torch_caps.first_bucket_bytes_cap
+        assert size_limits(cap)[-1] == torch_caps.bucket_bytes_cap

@@ -183,7 +183,9 @@ def format_report(reports: dict[str, dict], title: str) -> str:
                                            for s in rep["steps"])
         reason = rep["error"] or ("bitwise equal: " if bitwise else "") + RUNGS[rung][2]
         lines.append(f"{rung:<19}{cells}   {reason}")
-    lines += ["why rung 1 differs:", *("  " + line for line in why(reports))]
+    reasons = why(reports)
+    if reasons:
+        lines += ["why rung 1 differs:", *("  " + line for line in reasons)]
     ok = all(not rep["error"] and all(s["differing"] == 0 for s in rep["steps"])
              for rung, rep in reports.items() if rung in ("overlapped", "unused_and_no_sync"))
     lines.append("RESULT: " + ("rungs 3 and 4 are bitwise equal to torch DDP" if ok else
