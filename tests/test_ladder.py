@@ -195,6 +195,33 @@ def test_overlapped_rung_fails_at_the_next_forward_naming_the_parameters():
         assert "spare.weight, spare.bias" in message and "on rank" in message
 
 
+class _SkipsOnRank1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.spare = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x):
+        skip = dist.get_rank() == 1  # data-dependent control flow, on one rank only
+        return self.body(x) + (0 if skip else self.spare(x))
+
+
+def _one_rank_skips(ctx):
+    model = OverlappedDataParallel(_SkipsOnRank1())
+    for _ in range(2):
+        model(torch.randn(2, 6)).sum().backward()
+
+
+def test_exercise_1_a_rank_that_skips_a_parameter_is_named():
+    """Tutorial exercise 1's check. Rank 1's bucket never fills, so it never launches it: the
+    others wait for a partner that never comes. Rank 1's next forward names the culprit."""
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_one_rank_skips, 3, timeout_s=30)
+    text = str(info.value)
+    assert "Expected to have finished reduction in the prior iteration" in text
+    assert "on rank 1 these parameters got no gradient in the last backward" in text
+    assert "spare.weight, spare.bias" in text
+
+
 class _FailsOnce(OverlappedDataParallel):
     failed = False
 

@@ -1,6 +1,8 @@
 """Tracing: every bucket goes ready -> launch -> complete on every rank; the Chrome trace is valid."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +252,69 @@ def test_attach_and_detach_share_the_reducer_seam():
     assert reducer.trace is b
     detach(reducer, b)
     assert reducer.trace is None  # back on the zero-cost path
+
+
+# ---- the tutorial's shipped artefacts (docs/img/ddp-step/) still match the code --------------
+SHIPPED = Path(__file__).resolve().parents[1] / "docs" / "img" / "ddp-step"
+
+
+def _shape(obj: dict) -> set[tuple]:
+    """What a trace's events look like, without the model: kinds, names with numbers and
+    parameter names taken out, and the keys of their args."""
+    hooks = {e["args"]["name"] for e in obj["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    out = set()
+    for e in obj["traceEvents"]:
+        if e["ph"] == "M":
+            out.add(("M", e["name"], re.sub(r"\d+", "N", e["args"].get("name", ""))))
+        elif "param" in e["args"]:
+            out.add((e["ph"], "<a parameter>", tuple(sorted(e["args"]))))
+        else:
+            out.add((e["ph"], re.sub(r"\d+", "N", e["name"]), tuple(sorted(e["args"]))))
+    assert hooks
+    return out
+
+
+def _plain_trace_run(tmp: Path) -> dict:
+    from mini_ddp.tools import trace_demo
+
+    assert trace_demo.main(["--model", "lenet", "--bucket-cap-mb", "0.01", "--batch-size", "4",
+                            "--steps", "4", "--as-torch-ddp", "--out", str(tmp)]) == 0
+    return json.loads((tmp / "trace.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_the_shipped_trace_matches_what_the_code_emits(tmp_path, capsys):
+    shipped = json.loads((SHIPPED / "trace.json").read_text())
+    fresh = _plain_trace_run(tmp_path)
+    capsys.readouterr()
+    assert validate_chrome_trace(shipped) == []
+    assert _shape(shipped) == _shape(fresh)  # same event kinds, names and args
+    assert shipped["otherData"].keys() == fresh["otherData"].keys()
+    setup = shipped["otherData"]["setup"]
+    assert setup == {**fresh["otherData"]["setup"]} and setup["torch_ddp_path"]
+    assert set(shipped["otherData"]["transports"]) == {"Gloo"}
+    assert (SHIPPED / "overlap.txt").read_text().startswith("rank  steps  backward ms")
+
+
+@pytest.mark.timeout(300)
+def test_the_shipped_layout_is_what_explain_prints(capsys):
+    from mini_ddp.tools import explain_cli
+
+    assert explain_cli.main(["--model", "resnet18", "--max-names", "8"]) == 0
+    fresh = capsys.readouterr().out.splitlines()
+    shipped = (SHIPPED / "layout.txt").read_text().splitlines()
+    # the layout does not depend on the world size; only the first line names it
+    assert re.sub(r" of \d+:", ":", shipped[0]) == re.sub(r" of \d+:", ":", fresh[0])
+    assert shipped[1:] == fresh[1:]
+
+
+def test_the_tutorial_quotes_the_shipped_artefacts():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tutorial.md").read_text()
+    assert (SHIPPED / "overlap.txt").read_text().strip() in page
+    setup = json.loads((SHIPPED / "trace.json").read_text())["otherData"]
+    assert setup_line(setup["setup"], setup["transports"]) in page
+    layout = (SHIPPED / "layout.txt").read_text().splitlines()
+    rebuilt = layout[layout.index(next(line for line in layout if line.startswith("layout 2"))):]
+    quoted = [line for line in rebuilt if line.startswith("       0  float32")]
+    assert quoted and quoted[0] in page  # the tutorial's excerpt of the rebuilt layout
