@@ -452,3 +452,64 @@ def test_rung_2_caps_follow_torch_ddp():
         torch_caps = _BucketCapacityConfig.create(cap, None, False)
         assert size_limits(cap)[0] == torch_caps.first_bucket_bytes_cap
         assert size_limits(cap)[-1] == torch_caps.bucket_bytes_cap
+
+
+# ---- the tutorial's exercises: the figures they quote -------------------------------------
+_TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.md"
+
+
+def _divide_after(self) -> None:
+    """Exercise 2's edit of rung 2: copy in unscaled, divide the buffer after the sum."""
+    for buffer, views in self.buckets:
+        for i, view in views:
+            view.copy_(self.params[i].grad)
+        dist.all_reduce(buffer, group=self.group)
+        buffer /= self.world_size
+        for i, view in views:
+            self.params[i].grad.copy_(view)
+
+
+def _exercise_2_rank(ctx, opts):
+    from mini_ddp.ladder.bucketed import BucketedDataParallel
+    from mini_ddp.tools import ladder_cli
+
+    BucketedDataParallel.sync_grads = _divide_after  # a forked rank: the edit stays here
+    return ladder_cli._rank_main(ctx, opts)["bucketed"]
+
+
+def test_exercise_2_quotes_what_dividing_after_the_sum_gives():
+    quoted = re.search(r"the same check now prints (\d+) of (\d+) elements differing",
+                       _TUTORIAL.read_text())
+    opts = {"model": "mlp", "steps": 1, "bucket_cap_mb": None, "batch_size": 8,
+            "rungs": ["bucketed"], "spec": {}}
+    step = run_ranks(_exercise_2_rank, 3, args=(opts,), timeout_s=120)[0]["steps"][0]
+    assert quoted and (step["differing"], step["elements"]) == tuple(map(int, quoted.groups()))
+    assert run_ladder("mlp", 3, steps=1, rungs=["bucketed"], timeout_s=120)[
+        "bucketed"]["steps"][0]["differing"] == 0  # before the edit: 0, as the page says
+
+
+def _exercise_3_rank(ctx):
+    def forward(self, *inputs, **kwargs):  # exercise 3's edit: the no_sync decision removed
+        output = OverlappedDataParallel.forward(self, *inputs, **kwargs)
+        self.expect_hooks = torch.is_grad_enabled()
+        return output
+
+    UnusedAndNoSyncDataParallel.forward = forward
+    return _no_sync_decided_in_forward(ctx)
+
+
+def test_exercise_3_without_the_decision_the_gradients_average():
+    assert "both ranks at 1.5" in _TUTORIAL.read_text()
+    grads = run_ranks(_exercise_3_rank, 2, timeout_s=120)
+    assert [g.tolist() for g in grads] == [[[1.5, 1.5, 1.5]]] * 2
+
+
+def test_the_ladder_command_is_registered_and_checks_its_arguments(capsys):
+    from mini_ddp.tools import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ladder", "--rungs", "naive,nope"])
+    assert info.value.code == 2 and "unknown nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ladder", "--model", "resnet81"])
+    assert info.value.code == 2 and "unknown model 'resnet81'" in capsys.readouterr().err

@@ -183,6 +183,9 @@ def format_report(reports: dict[str, dict], title: str) -> str:
                                            for s in rep["steps"])
         reason = rep["error"] or ("bitwise equal: " if bitwise else "") + RUNGS[rung][2]
         lines.append(f"{rung:<19}{cells}   {reason}")
+    if n > 1:
+        lines.append("(from step 2 on, a rung that differed before also trains different "
+                     "parameters: its counts include that drift)")
     reasons = why(reports)
     if reasons:
         lines += ["why rung 1 differs:", *("  " + line for line in reasons)]
