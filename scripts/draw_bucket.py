@@ -3,8 +3,11 @@
 Wraps seed 002's CNN (``mini_ddp.training.models.Seed002CNN``) in ``DataParallelModel`` on a
 one-rank Gloo group, trains two steps (the buckets are rebuilt in gradient-ready order before
 step 2), then reads each bucket's flat buffer and every parameter's offset in it, checks that
-each ``param.grad`` is a view into that buffer at that offset, and draws it. Run from the
-repository root::
+each ``param.grad`` is a view into that buffer at that offset, and draws it — every bucket on
+one scale, so a bucket twenty times larger is drawn twenty times wider. ``.grad`` being a view
+is mini_ddp's zero-copy write-back (which the script opts in to), not torch DDP's (which copies the result into
+``.grad`` unless ``gradient_as_bucket_view=True``); ``--as-torch-ddp`` draws the copy path.
+Run from the repository root::
 
     .venv/bin/python scripts/draw_bucket.py [--out docs/img/bucket.png] [--bucket-cap-mb 0.1]
 """
@@ -31,11 +34,11 @@ COLOURS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#d
            "#8c8c8c", "#ccb974", "#64b5cd"]
 
 
-def real_layout(bucket_cap_mb: float) -> list[dict]:
+def real_layout(bucket_cap_mb: float, zero_copy: bool = True) -> list[dict]:
     """Train two steps on one rank; return each bucket's parameters, offsets and view checks."""
     torch.manual_seed(0)
     model = DataParallelModel(Seed002CNN(), bucket_cap_mb=bucket_cap_mb,
-                              zero_copy_write_back=True)  # .grad: views, as drawn
+                              zero_copy_write_back=zero_copy)
     names = {id(p): n for n, p in model.module.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(2):
@@ -60,32 +63,37 @@ def real_layout(bucket_cap_mb: float) -> list[dict]:
     return buckets
 
 
-def draw(buckets: list[dict], out: str) -> None:
-    """One row per bucket: the flat buffer, each parameter's slice at its offset, to scale."""
+def draw(buckets: list[dict], out: str) -> list[float]:
+    """One row per bucket: the flat buffer, each parameter's slice at its offset, every row on
+    the scale of the largest bucket. Returns each row's x-axis width (all equal)."""
+    widest = max(b["numel"] for b in buckets)
+    widths = []
     fig, axes = plt.subplots(len(buckets), 1, figsize=(11, 1.9 * len(buckets) + 0.8),
                              squeeze=False)
     colour = 0
     for ax, b in zip(axes[:, 0], buckets, strict=True):
         total = b["numel"]
         ax.add_patch(Rectangle((0, 0), total, 1, fill=False, lw=1.5))
-        label_x = -total  # where the last sliver's label went: keep labels apart
+        label_x = -widest  # where the last sliver's label went: keep labels apart
         for e in b["params"]:
             ax.add_patch(Rectangle((e["offset"], 0), e["numel"], 1,
                                    color=COLOURS[colour % len(COLOURS)], alpha=0.85))
             colour += 1
             label = f"{e['name']} {list(e['shape'])}\noffset {e['offset']}"
             mid = e["offset"] + e["numel"] / 2
-            if e["numel"] > total * 0.12:  # wide enough: label inside
+            if e["numel"] > widest * 0.12:  # wide enough: label inside
                 ax.text(mid, 0.5, label, ha="center", va="center", fontsize=8, color="white")
             else:  # a sliver: label above, with a leader line, moved right of the previous one
-                label_x = max(mid, label_x + total * 0.09)
+                label_x = max(mid, label_x + widest * 0.09)
                 ax.annotate(label, (mid, 1), (label_x, 1.5), ha="center", va="bottom",
                             fontsize=7, arrowprops={"arrowstyle": "-", "lw": 0.6})
         views = all(e["grad_is_view"] for e in b["params"])
+        how = ("every param.grad is a view into it (mini_ddp's zero-copy write-back)" if views
+               else "each param.grad is a copy of its slice (torch DDP's write-back)")
         ax.set_title(f"bucket {b['index']} (launched #{b['index'] + 1}): flat {b['dtype']} "
-                     f"buffer of {total:,} elements; every param.grad is a view into it: "
-                     f"{views}", fontsize=9, loc="left")
-        ax.set_xlim(-total * 0.01, total * 1.01)
+                     f"buffer of {total:,} elements; {how}", fontsize=9, loc="left")
+        ax.set_xlim(-widest * 0.01, widest * 1.01)  # one scale for every bucket
+        widths.append(ax.get_xlim()[1] - ax.get_xlim()[0])
         ax.set_ylim(-0.2, 2.4)
         ax.set_yticks([])
         ax.set_xlabel("element offset in bucket.buffer", fontsize=8)
@@ -96,18 +104,22 @@ def draw(buckets: list[dict], out: str) -> None:
                  "buckets in gradient-ready order", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return widths
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/img/bucket.png")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.1)
-    args = parser.parse_args()
+    parser.add_argument("--as-torch-ddp", action="store_true",
+                        help="torch DDP's write-back: .grad a copy, not the bucket's view")
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1),
                                 rank=0, world_size=1)
         try:
-            buckets = real_layout(args.bucket_cap_mb)
+            buckets = real_layout(args.bucket_cap_mb, zero_copy=not args.as_torch_ddp)
         finally:
             dist.destroy_process_group()
     for b in buckets:

@@ -19,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--last-steps", type=int, default=2, help="finished steps to draw")
     args = parser.parse_args(argv)
     with open(args.trace) as f:
-        per_rank = spans_from_chrome_trace(json.load(f))
-    title, legend = plot_spans(per_rank, args.png, args.last_steps)
+        obj = json.load(f)
+    per_rank = spans_from_chrome_trace(obj)
+    title, legend = plot_spans(per_rank, args.png, args.last_steps,
+                               setup=obj.get("otherData", {}).get("setup"))
     print(f"wrote {args.png}: {title}; legend: {'; '.join(legend)}")
     return 0
 

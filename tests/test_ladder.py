@@ -2,131 +2,399 @@
 
 Every case trains torch DDP and one rung side by side from a deep copy of one model (each rank
 starts from a *different* random model, so the rung's start-up broadcast is checked too) and
-compares every gradient after every backward and every parameter after every SGD step.
-
-At two ranks every rung gives DDP's bits. At three, the naive rung does not (it sums, then
-divides; DDP multiplies by 1/3, then sums), while the overlapped rung still does.
-``test_why_the_naive_rung_differs`` takes the naive rung apart to show which differences are
-responsible; docs/architecture.md quotes its output.
+compares every gradient after every backward and every parameter after every SGD step — through
+``python -m mini_ddp ladder``'s own code (:mod:`mini_ddp.tools.ladder_cli`), so the tool is what
+is tested. At two ranks every rung gives DDP's bits. At three, the naive rung does not (it sums,
+then divides; DDP multiplies by 1/3, then sums), while rungs 3 and 4 still do.
 """
 
 from __future__ import annotations
 
 import copy
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp.ladder import BucketedDataParallel, NaiveDataParallel, OverlappedDataParallel
-from mini_ddp.training.spawn import run_ranks
+from mini_ddp.engine import buckets as engine_buckets
+from mini_ddp.ladder import (
+    NaiveDataParallel,
+    OverlappedDataParallel,
+    UnusedAndNoSyncDataParallel,
+)
+from mini_ddp.ladder.bucketed import assign_buckets, size_limits
+from mini_ddp.tools.ladder_cli import format_report, run_ladder
+from mini_ddp.training.models import ZOO
+from mini_ddp.training.spawn import RanksFailed, run_ranks
 
 
-class ScaleFirstNaive(NaiveDataParallel):
-    """Rung 1 with DDP's averaging (multiply by 1/world_size, then sum) but no buckets."""
-
-    def sync_grads(self) -> None:
-        for param in self.module.parameters():
-            param.grad.mul_(1.0 / self.world_size)
-            dist.all_reduce(param.grad, group=self.group)
-
-
-class NeverRebuilt(OverlappedDataParallel):
-    """Rung 3 that keeps iteration 1's layout (one bucket, definition order) for good."""
-
-    def forward(self, *inputs, **kwargs):
-        self.arrival_order = None
-        return super().forward(*inputs, **kwargs)
-
-
-RUNGS = {"naive": NaiveDataParallel, "bucketed": BucketedDataParallel,
-         "overlapped": OverlappedDataParallel, "scale_first_naive": ScaleFirstNaive,
-         "never_rebuilt": NeverRebuilt}
-
-
-def _mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 10))
-
-
-def _side_by_side(ctx, rungs: list[str], cap: float | None, steps: int) -> dict[str, list]:
-    """Rank body: for each rung, per step, how its gradients and parameters compare to DDP's."""
-    return {rung: _one_rung(ctx, rung, cap, steps) for rung in rungs}
-
-
-def _one_rung(ctx, rung: str, cap: float | None, steps: int) -> list[dict]:
-    torch.manual_seed(1000 + ctx.rank)  # deliberately different on each rank
-    base = _mlp()
-    ref = DDP(copy.deepcopy(base), bucket_cap_mb=cap)
-    kwargs = {} if rung in ("naive", "scale_first_naive") else {"bucket_cap_mb": cap}
-    ours = RUNGS[rung](copy.deepcopy(base), **kwargs)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, ours)]
-    report = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(ctx.rank * 100 + step)
-        x, y = torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)
-        for model, opt in zip((ref, ours), opts, strict=True):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            if hasattr(model, "sync_grads"):
-                model.sync_grads()
-        pairs = list(zip(ref.module.parameters(), ours.module.parameters(), strict=True))
-        report.append({
-            "differing": sum(int((a.grad != b.grad).sum()) for a, b in pairs),
-            "elements": sum(a.numel() for a, _ in pairs),
-            "close": all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7) for a, b in pairs),
-        })
-        for opt in opts:
-            opt.step()
-        report[-1]["params_equal"] = all(torch.equal(a, b) for a, b in pairs)
-    return report
-
-
-def _run(world_size: int, rungs: list[str], cap: float | None = None, steps: int = 3
-         ) -> dict[str, list[dict]]:
-    """Rank 0's reports (every rank holds the same averaged gradients)."""
-    return run_ranks(_side_by_side, world_size, args=(rungs, cap, steps), timeout_s=240)[0]
-
-
-def _bitwise(report: list[dict]) -> bool:
-    return all(s["differing"] == 0 and s["params_equal"] for s in report)
+def _bitwise(report: dict) -> bool:
+    return not report["error"] and all(s["differing"] == 0 and s["params_equal"]
+                                       for s in report["steps"])
 
 
 def test_every_rung_is_bitwise_ddp_at_two_ranks():
-    reports = _run(2, ["naive", "bucketed", "overlapped"], cap=0.01)
+    reports = run_ladder("mlp", 2, steps=3, bucket_cap_mb=0.01, timeout_s=240,
+                         rungs=["naive", "bucketed", "overlapped", "unused_and_no_sync"])
     assert all(_bitwise(r) for r in reports.values()), reports
 
 
-def test_at_three_ranks_naive_differs_and_overlapped_does_not():
+def test_at_three_ranks_naive_differs_and_rungs_3_and_4_do_not():
     # 10 KiB buckets: several buckets after the rebuild (the default caps are covered below).
-    reports = _run(3, ["naive", "overlapped"], cap=0.01)
-    naive = reports["naive"]
-    assert naive[0]["differing"] > 0, naive   # not bitwise ...
-    assert naive[0]["close"], naive           # ... but the same average, to rounding
+    reports = run_ladder("mlp", 3, steps=3, bucket_cap_mb=0.01, timeout_s=240,
+                         rungs=["naive", "overlapped", "unused_and_no_sync"])
+    assert reports["naive"]["steps"][0]["differing"] > 0, reports
     assert _bitwise(reports["overlapped"]), reports["overlapped"]
+    assert _bitwise(reports["unused_and_no_sync"]), reports["unused_and_no_sync"]
 
 
 def test_why_the_naive_rung_differs(capsys):
     """Take rung 1 apart at three ranks: fixing the scaling alone is not enough, and the
-    bucket layout must follow DDP's rebuild too. Prints the table docs/architecture.md quotes:
-    gradient elements differing from DDP's at each of the first two steps."""
-    rungs = ["naive", "scale_first_naive", "bucketed", "never_rebuilt", "overlapped"]
-    reports = _run(3, rungs, cap=None, steps=2)
+    bucket layout must follow DDP's rebuild too. Prints the table docs/buckets.md quotes."""
+    reports = run_ladder("mlp", 3, steps=2, timeout_s=240)
     with capsys.disabled():
-        print(f"\n{'rung':<18} step 0   step 1   (of {reports['naive'][0]['elements']})")
-        for rung in rungs:
-            print(f"{rung:<18} " + "  ".join(f"{s['differing']:>6}" for s in reports[rung]))
-    first = {rung: reports[rung][0]["differing"] for rung in rungs}
-    assert reports["naive"][0]["close"]                       # the same mean, to rounding
+        print("\n" + format_report(reports, "why"))
+    first = {rung: r["steps"][0]["differing"] for rung, r in reports.items()}
     assert first["naive"] > first["scale_first_naive"] > 0  # scaling: most, not all
     assert first["bucketed"] == first["never_rebuilt"] == 0   # DDP's iteration-1 layout
-    assert reports["never_rebuilt"][1]["differing"] > 0       # ... but not its rebuilt one
-    assert _bitwise(reports["overlapped"])
+    assert reports["never_rebuilt"]["steps"][1]["differing"] > 0  # ... not its rebuilt one
+    assert _bitwise(reports["overlapped"]) and _bitwise(reports["unused_and_no_sync"])
 
 
-def _summation_orders(ctx) -> list[str]:
+def test_a_small_cap_makes_rung_2_differ_at_step_1():
+    """Rung 2 matches DDP's first step only while the model fits one capped bucket: DDP's
+    first backward uses one bucket per dtype whatever the cap."""
+    reports = run_ladder("mlp", 3, steps=1, bucket_cap_mb=0.001, timeout_s=240,
+                         rungs=["bucketed"])
+    assert reports["bucketed"]["steps"][0]["differing"] > 0, reports
+
+
+# ---- rung 2's own bucket assignment is the engine's ---------------------------------------
+@pytest.mark.parametrize("model", ["mlp", "lenet", "mixed", "resnet18"])
+@pytest.mark.parametrize("cap", [None, 0.001, 0.05, 25])
+def test_rung_2_assigns_buckets_as_the_engine(model, cap):
+    params = [p for p in ZOO[model].builder().parameters() if p.requires_grad]
+    limits = size_limits(cap)
+    assert assign_buckets(params, limits) == engine_buckets.assign_buckets(params, limits)
+    order = list(range(len(params)))[::-1]
+    assert assign_buckets(params, limits, order) == engine_buckets.assign_buckets(
+        params, limits, order=order)
+    assert assign_buckets(params, [sys.maxsize]) == engine_buckets.assign_buckets(
+        params, [sys.maxsize])
+
+
+def test_the_ladder_imports_no_engine_code():
+    import ast
+    from pathlib import Path
+
+    for path in Path(__file__).parents[1].joinpath("src/mini_ddp/ladder").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("mini_ddp.engine"), path
+
+
+# ---- rung defects -------------------------------------------------------------------------
+class _Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.embed.requires_grad_(False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+class _Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.spare = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _frozen_rank(ctx):
+    torch.manual_seed(ctx.rank)
+    base = _Frozen()
+    ref, ours = DDP(copy.deepcopy(base)), NaiveDataParallel(copy.deepcopy(base))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(ctx.rank))
+    for model in (ref, ours):
+        model(x).sum().backward()
+    ours.sync_grads()
+    return all(torch.equal(a, b) for a, b in zip(ref.parameters(), ours.parameters(),
+                                                 strict=True)), ours.module.embed.weight.grad
+
+
+def test_naive_rung_skips_frozen_parameters_like_ddp():
+    for equal, frozen_grad in run_ranks(_frozen_rank, 3, timeout_s=120):
+        assert equal and frozen_grad is None
+
+
+def _naive_unused_rank(ctx):
+    model = NaiveDataParallel(_Unused())
+    model(torch.randn(2, 6)).sum().backward()
+    model.sync_grads()
+
+
+def test_naive_rung_names_the_parameter_rank_and_shape():
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_naive_unused_rank, 2, timeout_s=120)
+    assert "parameter 'spare.weight' (shape (3, 6))" in str(info.value)
+    assert "on rank 0" in str(info.value) and "on rank 1" in str(info.value)
+
+
+def _eval_on_rank0_rank(ctx):
+    """Train a step, evaluate under no_grad on rank 0 only, barrier, train on: as DDP."""
+    torch.manual_seed(ctx.rank)
+    base = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    ref, ours = DDP(copy.deepcopy(base), bucket_cap_mb=0.0001), \
+        OverlappedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.0001)
+    equal = []
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * ctx.rank + step))
+        for model in (ref, ours):
+            model.zero_grad()
+            model(x).sum().backward()
+            if ctx.rank == 0:
+                with torch.no_grad():
+                    model(x)  # a rank-0-only evaluation: no collective may run here
+            dist.barrier()
+        equal.append(all(torch.equal(a.grad, b.grad) for a, b in
+                         zip(ref.parameters(), ours.parameters(), strict=True)))
+    return equal, len(ours.layout)
+
+
+def test_overlapped_rung_does_not_rebuild_under_no_grad():
+    for equal, buckets in run_ranks(_eval_on_rank0_rank, 3, timeout_s=120):
+        assert all(equal) and buckets > 1, (equal, buckets)
+
+
+def _unused_overlapped_rank(ctx):
+    model = OverlappedDataParallel(_Unused())
+    model(torch.randn(2, 6)).sum().backward()  # 'spare' never gets a gradient
+    try:
+        model(torch.randn(2, 6))
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_overlapped_rung_fails_at_the_next_forward_naming_the_parameters():
+    for message in run_ranks(_unused_overlapped_rank, 2, timeout_s=120):
+        assert message.startswith("Expected to have finished reduction in the prior "
+                                  "iteration before starting a new one."), message
+        assert "spare.weight, spare.bias" in message and "on rank" in message
+
+
+class _SkipsOnRank1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.spare = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x):
+        skip = dist.get_rank() == 1  # data-dependent control flow, on one rank only
+        return self.body(x) + (0 if skip else self.spare(x))
+
+
+def _one_rank_skips(ctx):
+    model = OverlappedDataParallel(_SkipsOnRank1())
+    for _ in range(2):
+        model(torch.randn(2, 6)).sum().backward()
+
+
+def test_exercise_1_a_rank_that_skips_a_parameter_is_named():
+    """Tutorial exercise 1's check. Rank 1's bucket never fills, so it never launches it: the
+    others wait for a partner that never comes. Rank 1's next forward names the culprit."""
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_one_rank_skips, 3, timeout_s=30)
+    text = str(info.value)
+    assert "Expected to have finished reduction in the prior iteration" in text
+    assert "on rank 1 these parameters got no gradient in the last backward" in text
+    assert "spare.weight, spare.bias" in text
+
+
+class _FailsOnce(OverlappedDataParallel):
+    failed = False
+
+    def copy_out(self, index, view):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected write-back failure")
+        super().copy_out(index, view)
+
+
+def _failed_finish_rank(ctx):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+    ref, ours = DDP(copy.deepcopy(base)), _FailsOnce(copy.deepcopy(base))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(ctx.rank))
+    ref(x).sum().backward()
+    try:
+        ours(x).sum().backward()
+    except RuntimeError as e:
+        assert "injected" in str(e)
+    state = (ours.works, ours.missing, ours.require_finalize)
+    for model in (ref, ours):
+        model.zero_grad()
+        model(x).sum().backward()
+    return state, all(torch.equal(a.grad, b.grad) for a, b in
+                      zip(ref.parameters(), ours.parameters(), strict=True))
+
+
+def test_a_failed_finish_resets_the_per_backward_state():
+    for (works, missing, pending), equal in run_ranks(_failed_finish_rank, 3, timeout_s=120):
+        assert works == [] and missing == [2 + 2] and not pending
+        assert equal
+
+
+class _NoWeightGrad(torch.autograd.Function):
+    """x * w whose backward gives w no gradient (undefined, not zeros)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad * w, None
+
+
+def test_accumulate_grad_hooks_fire_when_the_incoming_gradient_is_undefined():
+    """Why the rungs (and DDP) hook the AccumulateGrad node and keep it: its post-hook fires
+    for a parameter the graph reaches that gets no gradient, but autograd holds the node only
+    weakly — one nobody keeps dies with its hook. (In this torch the post-accumulate-grad
+    tensor hook fires for an undefined gradient too.)"""
+    def run(keep: bool) -> list[str]:
+        w = nn.Parameter(torch.ones(3))
+        fired: list[str] = []
+        node = w.view_as(w).grad_fn.next_functions[0][0]
+        node.register_hook(lambda *_: fired.append("node"))
+        if not keep:
+            del node  # the only strong reference: the node, and its hook, are gone
+        w.register_post_accumulate_grad_hook(lambda _: fired.append("post_accumulate"))
+        _NoWeightGrad.apply(torch.randn(3, requires_grad=True), w).sum().backward()
+        assert w.grad is None
+        return sorted(fired)
+
+    assert run(keep=True) == ["node", "post_accumulate"]
+    assert run(keep=False) == ["post_accumulate"]
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gate = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return _NoWeightGrad.apply(self.lin(x), self.gate)
+
+
+def _undefined_grad_rank(ctx):
+    torch.manual_seed(0)
+    base = _Gated()
+    ref, ours = DDP(copy.deepcopy(base)), OverlappedDataParallel(copy.deepcopy(base))
+    out = []
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.rank + 10 * step))
+        for model in (ref, ours):
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+        out.append([(a.grad is None, b.grad is None) if a.grad is None or b.grad is None
+                    else torch.equal(a.grad, b.grad)
+                    for a, b in zip(ref.parameters(), ours.parameters(), strict=True)])
+    return out
+
+
+def test_overlapped_rung_handles_an_undefined_gradient_as_ddp():
+    for steps in run_ranks(_undefined_grad_rank, 3, timeout_s=120):
+        for per_param in steps:
+            assert all(v is True or v[0] == v[1] for v in per_param), steps
+
+
+# ---- rung 4: no_sync and find_unused_parameters -------------------------------------------
+class _Branchy(nn.Module):
+    """A trunk, a head used only on rank 1, and a head no rank uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32))
+        self.sometimes = nn.Linear(32, 4)
+        self.never = nn.Linear(32, 4)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x, use_sometimes):
+        h = self.trunk(x)
+        return self.out(h) + (self.sometimes(h) if use_sometimes else 0)
+
+
+def _rung4_rank(ctx, find_unused: bool, accumulate: int):
+    torch.manual_seed(100 + ctx.rank)
+    base = _Branchy() if find_unused else nn.Sequential(nn.Linear(8, 32), nn.ReLU(),
+                                                        nn.Linear(32, 4))
+    ref = DDP(copy.deepcopy(base), bucket_cap_mb=0.001, find_unused_parameters=find_unused)
+    ours = UnusedAndNoSyncDataParallel(copy.deepcopy(base), bucket_cap_mb=0.001,
+                                       find_unused_parameters=find_unused)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    results = []
+    for step in range(3):
+        for micro in range(accumulate):
+            g = torch.Generator().manual_seed(ctx.rank * 1000 + step * 10 + micro)
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+            args = (x, ctx.rank == 1) if find_unused else (x,)
+            for model in (ref, ours):
+                if micro < accumulate - 1:
+                    with model.no_sync():
+                        out = model(*args)
+                    F.cross_entropy(out, y).backward()  # outside the block: still no sync
+                else:
+                    F.cross_entropy(model(*args), y).backward()
+        grads = [(None if a.grad is None else a.grad.clone(), b.grad)
+                 for a, b in zip(ref.parameters(), ours.parameters(), strict=True)]
+        results.append(all((a is None and b is None) or (a is not None and b is not None
+                                                         and torch.equal(a, b))
+                           for a, b in grads))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    never = ours.module.never.weight.grad if find_unused else None
+    return results, never
+
+
+@pytest.mark.parametrize("find_unused,accumulate", [(True, 1), (False, 3), (True, 2)],
+                         ids=["find_unused", "no_sync", "both"])
+def test_rung_4_is_bitwise_ddp_at_three_ranks(find_unused, accumulate):
+    for results, never in run_ranks(_rung4_rank, 3, args=(find_unused, accumulate),
+                                    timeout_s=180):
+        assert all(results), results
+        assert never is None  # no rank used it: .grad left untouched, as DDP
+
+
+def _no_sync_decided_in_forward(ctx):
+    model = UnusedAndNoSyncDataParallel(nn.Linear(3, 1, bias=False))
+    with model.no_sync():
+        out = model(torch.full((1, 3), float(ctx.rank + 1)))
+    out.sum().backward()  # outside the block, but its forward ran inside: local gradient
+    return model.module.weight.grad.clone()
+
+
+def test_no_sync_is_decided_in_forward():
+    grads = run_ranks(_no_sync_decided_in_forward, 2, timeout_s=120)
+    assert [g.tolist() for g in grads] == [[[1.0, 1.0, 1.0]], [[2.0, 2.0, 2.0]]]
+
+
+def _gloo_orders(ctx) -> list[str]:
     """Rank body: all-reduce a 12-element buffer; which order of addition made each element."""
     g = torch.Generator().manual_seed(5)
     a, b, c = (torch.randn(12, generator=g) for _ in range(3))
@@ -140,6 +408,108 @@ def test_gloo_sums_each_third_of_a_buffer_in_a_different_order():
     """Gloo's ring all-reduce on three ranks cuts the buffer into three chunks and starts each
     chunk's sum on a different rank, so an element's bits depend on where it sits in the
     buffer. (Where two orders give the same bits an element matches both.)"""
-    labels = run_ranks(_summation_orders, 3, timeout_s=120)[0]
+    labels = run_ranks(_gloo_orders, 3, timeout_s=120)[0]
     for chunk, order in enumerate(["(1+2)+0", "(2+0)+1", "(0+1)+2"]):
         assert all(order in label for label in labels[4 * chunk:4 * chunk + 4]), labels
+
+
+# ---- docs/buckets.md: every quoted figure is what its command prints ----------------------
+_DOC = Path(__file__).resolve().parents[1] / "docs" / "buckets.md"
+_PAIR = re.compile(r"^( *)```bash\n *(.+?)\n *```\n\n *```text\n(.*?)^ *```", re.M | re.S)
+
+
+def _doc_commands() -> list[tuple[str, list[str]]]:
+    return [(cmd, [line.strip() for line in out.splitlines() if line.strip()])
+            for _, cmd, out in _PAIR.findall(_DOC.read_text())]
+
+
+def test_the_bucket_page_quotes_four_commands():
+    assert len(_doc_commands()) == 4
+
+
+@pytest.mark.parametrize("command,expected", _doc_commands(),
+                         ids=[c.split()[2] if c.startswith("python -m") else c[10:40]
+                              for c, _ in _doc_commands()])
+def test_the_bucket_page_figures_are_what_the_commands_print(command, expected, capsys):
+    if command.startswith("python -m mini_ddp ladder"):
+        from mini_ddp.tools import ladder_cli
+
+        ladder_cli.main(shlex.split(command)[4:])
+        printed = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    else:  # a python -c one-liner
+        argv = [sys.executable, *shlex.split(command)[1:]]
+        printed = [line.strip() for line in subprocess.run(
+            argv, capture_output=True, text=True, check=True, timeout=120).stdout.splitlines()]
+    for line in expected:
+        assert line in printed, (line, printed)
+
+
+def test_rung_2_caps_follow_torch_ddp():
+    """A user's bucket_cap_mb replaces the 1 MiB first cap, in torch DDP as in rung 2."""
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    for cap in (None, 25, 0.5, 0.001):
+        torch_caps = _BucketCapacityConfig.create(cap, None, False)
+        assert size_limits(cap)[0] == torch_caps.first_bucket_bytes_cap
+        assert size_limits(cap)[-1] == torch_caps.bucket_bytes_cap
+
+
+# ---- the tutorial's exercises: the figures they quote -------------------------------------
+_TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.md"
+
+
+def _divide_after(self) -> None:
+    """Exercise 2's edit of rung 2: copy in unscaled, divide the buffer after the sum."""
+    for buffer, views in self.buckets:
+        for i, view in views:
+            view.copy_(self.params[i].grad)
+        dist.all_reduce(buffer, group=self.group)
+        buffer /= self.world_size
+        for i, view in views:
+            self.params[i].grad.copy_(view)
+
+
+def _exercise_2_rank(ctx, opts):
+    from mini_ddp.ladder.bucketed import BucketedDataParallel
+    from mini_ddp.tools import ladder_cli
+
+    BucketedDataParallel.sync_grads = _divide_after  # a forked rank: the edit stays here
+    return ladder_cli._rank_main(ctx, opts)["bucketed"]
+
+
+def test_exercise_2_quotes_what_dividing_after_the_sum_gives():
+    quoted = re.search(r"the same check now prints (\d+) of (\d+) elements differing",
+                       _TUTORIAL.read_text())
+    opts = {"model": "mlp", "steps": 1, "bucket_cap_mb": None, "batch_size": 8,
+            "rungs": ["bucketed"], "spec": {}}
+    step = run_ranks(_exercise_2_rank, 3, args=(opts,), timeout_s=120)[0]["steps"][0]
+    assert quoted and (step["differing"], step["elements"]) == tuple(map(int, quoted.groups()))
+    assert run_ladder("mlp", 3, steps=1, rungs=["bucketed"], timeout_s=120)[
+        "bucketed"]["steps"][0]["differing"] == 0  # before the edit: 0, as the page says
+
+
+def _exercise_3_rank(ctx):
+    def forward(self, *inputs, **kwargs):  # exercise 3's edit: the no_sync decision removed
+        output = OverlappedDataParallel.forward(self, *inputs, **kwargs)
+        self.expect_hooks = torch.is_grad_enabled()
+        return output
+
+    UnusedAndNoSyncDataParallel.forward = forward
+    return _no_sync_decided_in_forward(ctx)
+
+
+def test_exercise_3_without_the_decision_the_gradients_average():
+    assert "both ranks at 1.5" in _TUTORIAL.read_text()
+    grads = run_ranks(_exercise_3_rank, 2, timeout_s=120)
+    assert [g.tolist() for g in grads] == [[[1.5, 1.5, 1.5]]] * 2
+
+
+def test_the_ladder_command_is_registered_and_checks_its_arguments(capsys):
+    from mini_ddp.tools import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ladder", "--rungs", "naive,nope"])
+    assert info.value.code == 2 and "unknown nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ladder", "--model", "resnet81"])
+    assert info.value.code == 2 and "unknown model 'resnet81'" in capsys.readouterr().err

@@ -95,3 +95,53 @@ def test_a_bad_model_is_a_usage_error(argv, message, capsys):
     assert message in err and "usage:" in err
     if "resnet81" in message:
         assert "resnet18" in err and "lenet" in err and "module:attr" in err
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_reference_run_is_reported_with_both_errors(capsys):
+    """Without --find-unused-parameters torch DDP itself fails at step 2: the report says so,
+    with each engine's one-line error and a RESULT line, instead of rank tracebacks."""
+    code = parity.main(["--model", f"{HELPERS}:UnusedParamNet", "--input-shape", "4",
+                        "--num-classes", "3", *SMALL])
+    out = capsys.readouterr().out
+    assert code == 1
+    ddp_line = next(line for line in out.splitlines() if line.startswith("  torch DDP"))
+    ours_line = next(line for line in out.splitlines() if line.startswith("  mini_ddp"))
+    sentence = "Expected to have finished reduction in the prior iteration"
+    assert "raised at step 2 on rank 0: RuntimeError: " + sentence in ddp_line
+    assert "raised at step 2 on rank 0" in ours_line and sentence in ours_line
+    assert out.splitlines()[-1].startswith("RESULT: ERROR — torch DDP and mini_ddp raised at "
+                                           "step 2")
+    assert "Traceback" not in out
+
+
+class SmallVocab(torch.nn.Module):
+    """A 50-token embedding: the default token range [0, 1000) would index past it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.embed(x).mean(dim=1))
+
+
+@pytest.mark.timeout(300)
+def test_vocab_sets_the_range_of_integer_inputs(capsys):
+    argv = ["--model", "test_parity_user_models:SmallVocab", "--input-shape", "6",
+            "--input-dtype", "int64", "--num-classes", "3", "--vocab", "50", *SMALL]
+    assert parity.main(argv) == 0, capsys.readouterr().out
+    assert "RESULT: OK" in capsys.readouterr().out
+    opts = ParityOptions(model="mlp", input_shape=(6,), input_dtype="int64", vocab=50,
+                         batch_size=64)
+    x, _ = parity.make_batch(opts, parity.model_spec_of(opts), step=1, rank=0)
+    assert int(x.max()) < 50 and x.dtype == torch.int64
+
+
+def test_help_states_the_input_ranges(capsys):
+    with pytest.raises(SystemExit):
+        parity.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "token ids are drawn uniformly in [0, VOCAB) (default 1000)" in text
+    assert "standard normal" in text

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -48,3 +52,41 @@ def test_trace_usage_error_for_an_unknown_model(capsys):
         trace_demo.main(["--model", "lenet5"])
     assert exit_info.value.code == 2
     assert "unknown model 'lenet5'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags, transport, write_back", [
+    ([], "Gloo", "zero-copy"), (["--as-torch-ddp"], "Gloo", "copy")])
+def test_trace_says_which_transport_and_write_back_ran(tmp_path, capsys, flags, transport,
+                                                       write_back):
+    code = trace_demo.main(["--model", "tiny", "--world-size", "2", "--steps", "2",
+                            "--batch-size", "4", "--out", str(tmp_path), *flags])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    setup = json.loads((tmp_path / "trace.json").read_text())["otherData"]["setup"]
+    assert setup["write_back"] == write_back and setup["backend"] == transport
+    whose = "torch DDP's plain path" if flags else "mini_ddp's fast paths, not torch DDP's"
+    assert f"transport: {transport} (" in out and whose in out
+
+
+@pytest.mark.timeout(300)
+def test_trace_find_unused_parameters(tmp_path, capsys):
+    code = trace_demo.main(["--model", f"{HELPERS}:UnusedParamNet", "--input-shape", "4",
+                            "--num-classes", "3", "--find-unused-parameters", "--world-size",
+                            "2", "--steps", "2", "--batch-size", "4", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().out
+    setup = json.loads((tmp_path / "trace.json").read_text())["otherData"]["setup"]
+    assert setup["find_unused_parameters"] and setup["write_back"] == "copy"
+
+
+def test_the_bucket_picture_is_drawn_to_scale(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "draw_bucket", Path(__file__).parents[1] / "scripts" / "draw_bucket.py")
+    draw_bucket = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw_bucket)
+    big = {"index": 0, "numel": 59_134, "dtype": "float32", "params": [
+        {"name": "w", "offset": 0, "numel": 59_134, "shape": (59_134,), "grad_is_view": True}]}
+    small = {"index": 1, "numel": 2_872, "dtype": "float32", "params": [
+        {"name": "v", "offset": 0, "numel": 2_872, "shape": (2_872,), "grad_is_view": False}]}
+    widths = draw_bucket.draw([big, small], str(tmp_path / "b.png"))
+    assert widths[0] == widths[1]  # one scale: the small bucket is drawn 1/20 as wide

@@ -1,12 +1,15 @@
 """Tracing: every bucket goes ready -> launch -> complete on every rank; the Chrome trace is valid."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp.engine.config import format_bytes
 from mini_ddp.observe.timeline import (
     overlap,
     overlap_summary,
@@ -14,6 +17,7 @@ from mini_ddp.observe.timeline import (
     plot_timeline,
     spans,
     spans_from_chrome_trace,
+    track_label,
     user_spans_to_their_step,
 )
 from mini_ddp.observe.tracing import (
@@ -22,6 +26,8 @@ from mini_ddp.observe.tracing import (
     attach,
     chrome_trace,
     detach,
+    setup_line,
+    spans_with_transport,
     trace,
     validate_chrome_trace,
 )
@@ -119,7 +125,11 @@ def test_overlap_figure_and_png(traced, tmp_path):
     png = tmp_path / "timeline.png"
     title, legend = plot_timeline(traces, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert title.endswith("steps 2-3")
+    first_line, second_line = title.split("\n")
+    assert first_line.endswith("steps 2-3")
+    # two ranks, buckets below 1 MiB: Gloo, but the zero-copy write-back is mini_ddp's own
+    assert second_line.startswith("transport: Gloo (") and "zero-copy" in second_line
+    assert second_line.endswith("mini_ddp's fast paths, not torch DDP's")
     # one entry per colour drawn; the write-back is zero-copy here, so nothing says "copy"
     assert legend == ["forward", "backward (compute)",
                       "finalize: wait for the all-reduces, then fill .grad",
@@ -128,16 +138,68 @@ def test_overlap_figure_and_png(traced, tmp_path):
                       "hook fired (hooks row) / bucket ready (bucket rows)"]
 
 
+def test_the_trace_records_transport_and_write_back(traced):
+    traces = [t for t, _, _ in traced]
+    obj = chrome_trace(traces)
+    setup = obj["otherData"]["setup"]
+    assert setup["write_back"] == "zero-copy" and setup["backend"] == "Gloo"
+    assert not setup["torch_ddp_path"]
+    comm = [e for e in obj["traceEvents"] if e["name"].startswith("all-reduce")]
+    assert comm and all(e["args"]["transport"] == "Gloo" for e in comm)
+    assert obj["otherData"]["transports"] == {"Gloo": len(comm)}
+
+
+def test_bucket_rows_name_their_bytes(traced):
+    rank_spans = spans_with_transport(traced[0][0])
+    label = track_label(0, "bucket 0", rank_spans)
+    size = [s.args["bytes"] for s in rank_spans if s.track == "bucket 0" and "bytes" in s.args][-1]
+    assert label == f"rank 0 comm bucket 0 ({format_bytes(size)})"
+    assert track_label(0, "compute", rank_spans) == "rank 0 compute"
+
+
+def test_setup_line_says_whose_path_ran():
+    plain = {"backend": "Gloo", "comm_hook": None, "shared_memory": False, "write_back": "copy",
+             "find_unused_parameters": False, "torch_ddp_path": True}
+    assert setup_line(plain, {"Gloo": 3}) == ("transport: Gloo (3 all-reduces); write-back: "
+                                              "copy into .grad — torch DDP's plain path")
+    fast = {**plain, "shared_memory": True, "write_back": "zero-copy", "torch_ddp_path": False}
+    assert "shared memory (2 all-reduces)" in setup_line(fast, {"shared memory": 2})
+    assert setup_line(None) == "transport and write-back not recorded"
+
+
+def _shm_trace(ctx, plain: bool):
+    torch.manual_seed(0)
+    model = DataParallelModel(nn.Linear(600, 600), shared_memory_allreduce=not plain,
+                              zero_copy_write_back=not plain)  # 1.4 MiB: one shm-sized bucket
+    with trace(model) as rec:
+        for _ in range(2):
+            model(torch.randn(2, 600)).sum().backward()
+    return rec.snapshot()
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["mini_ddp", "as_torch_ddp"])
+def test_two_ranks_name_shared_memory_or_torch_ddps_path(plain):
+    obj = chrome_trace(run_ranks(_shm_trace, 2, args=(plain,), timeout_s=120))
+    if plain:
+        assert obj["otherData"]["transports"] == {"Gloo": 4}
+        assert obj["otherData"]["setup"]["torch_ddp_path"]
+    else:
+        assert obj["otherData"]["transports"] == {"shared memory": 4}
+        assert obj["otherData"]["setup"]["write_back"] == "zero-copy"
+
+
 def test_a_saved_chrome_trace_draws_the_same_timeline(traced, tmp_path):
     traces = [t for t, _, _ in traced]
-    back = spans_from_chrome_trace(json.loads(json.dumps(chrome_trace(traces))))
+    saved = json.loads(json.dumps(chrome_trace(traces)))
+    back = spans_from_chrome_trace(saved)
     assert [r for r, _ in back] == [0, 1]
     for rank_trace, (_, again) in zip(traces, back, strict=True):
         first = sorted((s.track, s.name, s.step, s.end - s.start) for s in spans(rank_trace))
         second = sorted((s.track, s.name, s.step, s.end - s.start) for s in again)
         assert [k[:3] for k in first] == [k[:3] for k in second]
         assert all(abs(a[3] - b[3]) <= 2 for a, b in zip(first, second, strict=True))  # ns
-    assert plot_spans(back, str(tmp_path / "again.png")) == plot_timeline(
+    assert plot_spans(back, str(tmp_path / "again.png"),
+                      setup=saved["otherData"]["setup"]) == plot_timeline(
         traces, str(tmp_path / "first.png"))
 
 
@@ -190,3 +252,69 @@ def test_attach_and_detach_share_the_reducer_seam():
     assert reducer.trace is b
     detach(reducer, b)
     assert reducer.trace is None  # back on the zero-cost path
+
+
+# ---- the tutorial's shipped artefacts (docs/img/ddp-step/) still match the code --------------
+SHIPPED = Path(__file__).resolve().parents[1] / "docs" / "img" / "ddp-step"
+
+
+def _shape(obj: dict) -> set[tuple]:
+    """What a trace's events look like, without the model: kinds, names with numbers and
+    parameter names taken out, and the keys of their args."""
+    hooks = {e["args"]["name"] for e in obj["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    out = set()
+    for e in obj["traceEvents"]:
+        if e["ph"] == "M":
+            out.add(("M", e["name"], re.sub(r"\d+", "N", e["args"].get("name", ""))))
+        elif "param" in e["args"]:
+            out.add((e["ph"], "<a parameter>", tuple(sorted(e["args"]))))
+        else:
+            out.add((e["ph"], re.sub(r"\d+", "N", e["name"]), tuple(sorted(e["args"]))))
+    assert hooks
+    return out
+
+
+def _plain_trace_run(tmp: Path) -> dict:
+    from mini_ddp.tools import trace_demo
+
+    assert trace_demo.main(["--model", "lenet", "--bucket-cap-mb", "0.01", "--batch-size", "4",
+                            "--steps", "4", "--as-torch-ddp", "--out", str(tmp)]) == 0
+    return json.loads((tmp / "trace.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_the_shipped_trace_matches_what_the_code_emits(tmp_path, capsys):
+    shipped = json.loads((SHIPPED / "trace.json").read_text())
+    fresh = _plain_trace_run(tmp_path)
+    capsys.readouterr()
+    assert validate_chrome_trace(shipped) == []
+    assert _shape(shipped) == _shape(fresh)  # same event kinds, names and args
+    assert shipped["otherData"].keys() == fresh["otherData"].keys()
+    setup = shipped["otherData"]["setup"]
+    assert setup == {**fresh["otherData"]["setup"]} and setup["torch_ddp_path"]
+    assert set(shipped["otherData"]["transports"]) == {"Gloo"}
+    assert (SHIPPED / "overlap.txt").read_text().startswith("rank  steps  backward ms")
+
+
+@pytest.mark.timeout(300)
+def test_the_shipped_layout_is_what_explain_prints(capsys):
+    from mini_ddp.tools import explain_cli
+
+    assert explain_cli.main(["--model", "resnet18", "--max-names", "8"]) == 0
+    fresh = capsys.readouterr().out.splitlines()
+    shipped = (SHIPPED / "layout.txt").read_text().splitlines()
+    # the layout does not depend on the world size; only the first line names it
+    assert re.sub(r" of \d+:", ":", shipped[0]) == re.sub(r" of \d+:", ":", fresh[0])
+    assert shipped[1:] == fresh[1:]
+
+
+def test_the_tutorial_quotes_the_shipped_artefacts():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tutorial.md").read_text()
+    assert (SHIPPED / "overlap.txt").read_text().strip() in page
+    setup = json.loads((SHIPPED / "trace.json").read_text())["otherData"]
+    assert setup_line(setup["setup"], setup["transports"]) in page
+    layout = (SHIPPED / "layout.txt").read_text().splitlines()
+    rebuilt = layout[layout.index(next(line for line in layout if line.startswith("layout 2"))):]
+    quoted = [line for line in rebuilt if line.startswith("       0  float32")]
+    assert quoted and quoted[0] in page  # the tutorial's excerpt of the rebuilt layout

@@ -1,27 +1,39 @@
 """Rung 3 — overlap: send each bucket while backward is still computing the rest.
 
-Over rung 2 (:mod:`mini_ddp.ladder.bucketed`) this moves the work *into* ``backward()``:
+Over rung 2 (:mod:`mini_ddp.ladder.bucketed`) this moves the work *into* ``backward()``.
+Each step, with the ``reducer.cpp`` function of torch DDP it corresponds to:
 
-1. A hook on every parameter (``register_post_accumulate_grad_hook``) fires as soon as autograd
-   has written that parameter's ``.grad``. It copies the gradient into its bucket slice,
-   multiplied by ``1/world_size`` (DDP's averaging), and counts the bucket down.
-2. A bucket whose last gradient arrived is launched at once as an *asynchronous* all-reduce —
-   but only after every earlier bucket has been launched, so all ranks issue the same
-   collectives in the same order (otherwise two ranks could sum different buckets together).
-3. A callback queued on the autograd engine runs when backward ends: it waits for every
-   bucket and copies the averaged slices back into ``.grad``.
+1. :meth:`~OverlappedDataParallel.on_grad_ready` — ``Reducer::autograd_hook``. A post-hook on
+   every parameter's ``AccumulateGrad`` node (the autograd node that writes ``.grad``) fires
+   once that gradient is final for this backward. DDP hooks the node, not the tensor; such a
+   post-hook fires even when the incoming gradient is undefined (a parameter reached by the
+   graph that got no gradient: its slice is then zeros). In the torch this is tested with,
+   ``register_post_accumulate_grad_hook`` fires in that case too; the lesson the node teaches
+   is that autograd holds it only weakly — DDP keeps every node alive (a node that died would
+   take its hook with it), so this rung keeps them in ``self.accumulators``.
+2. The hook copies the gradient into its bucket slice multiplied by ``1/world_size``
+   (``Reducer::mark_variable_ready`` -> ``mark_variable_ready_dense``) and counts the bucket
+   down.
+3. :meth:`~OverlappedDataParallel.launch_ready` — ``Reducer::mark_bucket_ready``: a full bucket
+   is launched as an *asynchronous* all-reduce, but only once every earlier bucket has been
+   launched, so all ranks issue the same collectives in the same order.
+4. After the LAST launch, :meth:`~OverlappedDataParallel.finish` is queued on the autograd
+   engine, as DDP queues ``Reducer::finalize_backward``: it runs when backward ends, waits for
+   every bucket and copies the averages back into ``.grad`` (``finalize_bucket_dense``). Queued
+   there, a backward in which some parameter got no gradient never queues it; the next forward
+   then fails in :meth:`~OverlappedDataParallel.check_prior_reduction_finished`
+   (``Reducer::ensure_prior_reduction_finished``) naming the parameters, with DDP's sentence.
 
-So the optimizer needs no extra call: after ``loss.backward()`` the gradients are averaged.
-
-DDP's bucket layout changes once, and the bits depend on it (Gloo's summation order depends on
+The bucket layout changes once, and the bits depend on it (Gloo's summation order depends on
 an element's position in the flat buffer). The first backward uses ONE bucket per dtype, in
-definition order, and records the order in which gradients arrive. Before the next forward
-the buckets are rebuilt over that order with DDP's caps (1 MiB first, then ``bucket_cap_mb``)
-and rank 0's layout is adopted by all. With that, this rung gives torch DDP's gradients bit
-for bit (``tests/test_ladder.py``, at three ranks).
-
-What the full engine (:class:`mini_ddp.DataParallelModel`) adds: unused parameters,
-``no_sync``, buffer broadcasts, comm hooks, static graphs, join, and readable errors.
+definition order, and records the order in which gradients arrive (``push_rebuilt_params``).
+Before the next forward *with grad enabled* the buckets are rebuilt over that order with DDP's
+caps (``Reducer::rebuild_buckets``) and rank 0's layout is adopted by all
+(``sync_bucket_indices``). DDP's ``_pre_forward`` rebuilds only under ``torch.is_grad_enabled()``,
+so a forward under ``torch.no_grad()`` — an evaluation on rank 0 alone — issues no collective.
+With that, this rung gives torch DDP's gradients bit for bit (``tests/test_ladder.py``, three
+ranks). Rung 4 (:mod:`mini_ddp.ladder.unused_and_no_sync`) adds ``no_sync`` and
+``find_unused_parameters``.
 """
 
 from __future__ import annotations
@@ -33,9 +45,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mini_ddp.engine.buckets import agree_on_layout, assign_buckets
-from mini_ddp.ladder.bucketed import flat_buckets, size_limits
-from mini_ddp.ladder.naive import broadcast_from_rank0
+from mini_ddp.ladder.bucketed import assign_buckets, flat_buckets, size_limits
+from mini_ddp.ladder.naive import broadcast_from_rank0, trainable
+
+NOT_FINISHED = ("Expected to have finished reduction in the prior iteration before starting a "
+                "new one.")  # torch DDP's sentence
+
+
+def rank0_layout(layout: list[list[int]], group: dist.ProcessGroup | None) -> list[list[int]]:
+    """Every rank takes rank 0's layout (``sync_bucket_indices``): arrival order can differ."""
+    box = [layout]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
+                               group=group)
+    return box[0]
 
 
 class OverlappedDataParallel(nn.Module):
@@ -46,17 +68,18 @@ class OverlappedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         broadcast_from_rank0(module, group)  # start from rank 0's model, as in rung 1
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.names = [name for name, _ in trainable(module)]
+        self.params = [p for _, p in trainable(module)]
         self.limits = size_limits(bucket_cap_mb)
         # Iteration 1: one bucket per dtype/device (no cap), as DDP does before it knows the
         # order in which gradients arrive.
         self.install(list(reversed(assign_buckets(self.params, [sys.maxsize]))))
         self.arrival_order: list[int] | None = []  # recorded in the first backward only
-        for index, param in enumerate(self.params):
-            param.register_post_accumulate_grad_hook(
-                lambda p, index=index: self.on_grad_ready(index))
+        self.accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
+        for index, acc in enumerate(self.accumulators):
+            acc.register_hook(lambda grad_in, grad_out, index=index: self.on_grad_ready(index))
         self.begin_backward()
 
     def install(self, layout: list[list[int]]) -> None:
@@ -70,41 +93,70 @@ class OverlappedDataParallel(nn.Module):
         """Reset the per-backward state: every bucket waits for all its gradients again."""
         self.missing = [len(views) for _, views in self.buckets]
         self.works: list[Any] = []  # one async all-reduce per launched bucket, in order
-        self.finish_queued = False
+        self.ready: set[int] = set()  # parameters whose hook fired in this backward
+        self.require_finalize = False  # a hook fired: finish() must run before a new forward
+
+    def check_prior_reduction_finished(self) -> None:
+        """A forward must not start while the last backward's buckets were never all sent."""
+        if self.require_finalize:
+            missing = [self.names[i] for i in range(len(self.params)) if i not in self.ready]
+            raise RuntimeError(f"{NOT_FINISHED} OverlappedDataParallel: on rank {self.rank} "
+                               f"these parameters got no gradient in the last backward, so "
+                               f"their buckets were never sent: {', '.join(missing)}; every "
+                               "parameter must take part in the loss (or use rung 4)")
+
+    def rebuild_if_needed(self) -> None:
+        """Once, after the first backward: re-pack the buckets in gradient-arrival order."""
+        if self.arrival_order:
+            order, self.arrival_order = self.arrival_order, None
+            self.install(rank0_layout(assign_buckets(self.params, self.limits, order),
+                                      self.group))
+            self.begin_backward()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Rebuild the buckets once (before the second forward), then run the module."""
-        if self.arrival_order:  # the first backward has run: re-pack in its order
-            layout = assign_buckets(self.params, self.limits, order=self.arrival_order)
-            self.install(agree_on_layout(layout, self.group, self.params[0].device))
-            self.arrival_order = None
-            self.begin_backward()
+        """Rebuild the buckets once (only when grad is enabled), then run the module."""
+        if torch.is_grad_enabled():  # DDP's _pre_forward: no_grad forwards do no collective
+            self.check_prior_reduction_finished()
+            self.rebuild_if_needed()
         return self.module(*inputs, **kwargs)
 
     def on_grad_ready(self, index: int) -> None:
         """Hook: ``.grad`` of parameter ``index`` is final for this backward."""
-        if not self.finish_queued:  # first hook of this backward
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            self.finish_queued = True
+        self.require_finalize = True
+        self.ready.add(index)
         if self.arrival_order is not None:
             self.arrival_order.append(index)
         bucket, view = self.where[index]
-        # DDP's averaging: multiply while copying in (x * (1/3) is not x / 3 in fp32).
-        torch.mul(self.params[index].grad, 1.0 / self.world_size, out=view)
+        grad = self.params[index].grad
+        if grad is None:  # reached, but no gradient came: zeros, as DDP
+            view.zero_()
+        else:  # DDP's averaging: multiply while copying in (x * (1/3) is not x / 3 in fp32)
+            torch.mul(grad, 1.0 / self.world_size, out=view)
         self.missing[bucket] -= 1
-        # Launch every full bucket whose predecessors have all been launched, in order.
+        self.launch_ready()
+
+    def launch_ready(self) -> None:
+        """Launch every full bucket whose predecessors have all been launched, in order."""
         while len(self.works) < len(self.buckets) and self.missing[len(self.works)] == 0:
             buffer = self.buckets[len(self.works)][0]
             self.works.append(dist.all_reduce(buffer, group=self.group, async_op=True))
+            if len(self.works) == len(self.buckets):  # the last launch: finish after backward
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def finish(self) -> None:
         """End of backward: wait for every bucket, copy the averages back into ``.grad``."""
-        if len(self.works) < len(self.buckets):
-            raise RuntimeError("OverlappedDataParallel: some parameters got no gradient in this "
-                               "backward, so their buckets were never sent; every parameter "
-                               "must take part in the loss")
-        for work, (_, views) in zip(self.works, self.buckets, strict=True):
-            work.wait()
-            for i, view in views:
-                self.params[i].grad.copy_(view)
-        self.begin_backward()
+        try:
+            for work, (_, views) in zip(self.works, self.buckets, strict=True):
+                work.wait()
+                for i, view in views:
+                    self.copy_out(i, view)
+        finally:  # a failed finish must not leave this backward's counts behind
+            self.begin_backward()
+
+    def copy_out(self, index: int, view: torch.Tensor) -> None:
+        """Put the averaged gradient of parameter ``index`` into its ``.grad``."""
+        param = self.params[index]
+        if param.grad is None:
+            param.grad = view.clone()
+        else:
+            param.grad.copy_(view)

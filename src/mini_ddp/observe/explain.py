@@ -6,8 +6,12 @@ all its gradients are in and every earlier bucket has launched) and even the bit
 
 * iteration 1 — one bucket per dtype/device, no size cap, unless ``find_unused_parameters``:
   DDP has not yet seen the order in which gradients become ready;
-* before the second forward — one rebuild over that order, with a small first bucket (1 MiB)
-  so communication starts early, then ``bucket_cap_mb`` (25 MiB) per bucket;
+* before the second forward — one rebuild over that order, with DDP's caps: without a
+  user cap a small first bucket (1 MiB: it holds the first gradients to arrive, so
+  communication starts early), then 25 MiB per bucket; a user's ``bucket_cap_mb`` replaces
+  both (torch keeps the 1 MiB first cap only when ``bucket_cap_mb`` is not given);
+* never a rebuild with ``find_unused_parameters`` (the caps then apply over definition
+  order from the start) — docs/buckets.md has the reasons;
 * a bucket holds one dtype on one device, so e.g. float64 parameters get their own buckets.
 
 The tables use :func:`mini_ddp.engine.buckets.describe_layout`, like the start-up log line.

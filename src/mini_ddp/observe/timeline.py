@@ -13,7 +13,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from mini_ddp.engine.config import format_bytes
 from mini_ddp.observe.spans import RankTrace, Span, spans  # noqa: F401  (spans: re-exported)
+from mini_ddp.observe.tracing import setup_line, setup_of, spans_with_transport, transports_used
 
 
 # ---- the overlap figure --------------------------------------------------------------------
@@ -126,9 +128,14 @@ def plot_timeline(traces: list[RankTrace], path: str, last_steps: int = 2,
 
     A step runs from its forward to the end of the user's spans after its backward (the
     optimizer step), so the title's step range is exactly what is drawn; the legend lists
-    only what was drawn. Returns the title and the legend's labels.
+    only what was drawn. Under the title: which transport(s) the drawn all-reduces went through
+    and which write-back ran (mini_ddp's fast paths are not torch DDP's). Dotted lines mark
+    where each step's forward begins; each bucket row is labelled with the bucket's bytes.
+    Returns the title and the legend's labels.
     """
-    return plot_spans([(t.rank, spans(t)) for t in traces], path, last_steps, title)
+    setup = next((setup_of(t) for t in traces if setup_of(t)), None)
+    return plot_spans([(t.rank, spans_with_transport(t)) for t in traces], path, last_steps,
+                      title, setup)
 
 
 def spans_from_chrome_trace(obj: dict) -> list[tuple[int, list[Span]]]:
@@ -152,9 +159,20 @@ def spans_from_chrome_trace(obj: dict) -> list[tuple[int, list[Span]]]:
     return sorted(per_rank.items())
 
 
+def track_label(rank: int, track: str, rank_spans: list[Span]) -> str:
+    """A timeline row's label; a bucket row names the bucket's size in bytes (its last launch
+    among ``rank_spans``)."""
+    if not track.startswith("bucket"):
+        return f"rank {rank} {track}"
+    sizes = [s.args["bytes"] for s in rank_spans if s.track == track and s.args.get("bytes")]
+    return f"rank {rank} comm {track}" + (f" ({format_bytes(sizes[-1])})" if sizes else "")
+
+
 def plot_spans(per_rank: list[tuple[int, list[Span]]], path: str, last_steps: int = 2,
-               title: str = "") -> tuple[str, list[str]]:
-    """:func:`plot_timeline` from each rank's spans (e.g. :func:`spans_from_chrome_trace`)."""
+               title: str = "", setup: dict | None = None) -> tuple[str, list[str]]:
+    """:func:`plot_timeline` from each rank's spans (e.g. :func:`spans_from_chrome_trace`;
+    ``setup``: the trace's ``otherData["setup"]``). The title's second line (returned too) is
+    :func:`mini_ddp.observe.tracing.setup_line` of the drawn all-reduces."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,7 +196,7 @@ def plot_spans(per_rank: list[tuple[int, list[Span]]], path: str, last_steps: in
                          key=lambda t: int(t.split()[1]))
         for track in ["compute", "hooks", *buckets]:
             y = -len(rows)
-            rows.append(f"rank {rank} {'comm ' if track in buckets else ''}{track}")
+            rows.append(track_label(rank, track, rank_spans))
             for s in (s for s in rank_spans if s.track == track):
                 x0, width = (s.start - t0) / 1e6, (s.end - s.start) / 1e6
                 part = _engine_part(s) if track == "compute" else None
@@ -200,11 +218,21 @@ def plot_spans(per_rank: list[tuple[int, list[Span]]], path: str, last_steps: in
                     used["comm"].add(track)
                     ax.broken_barh([(x0, width)], (y - 0.35, 0.7), color=_COMM_COLOUR,
                                    alpha=0.85)
+    # Step boundaries: where each drawn step's first forward (over all ranks) begins.
+    for step in sorted(shown):
+        starts = [s.start for _, ss in chosen for s in ss
+                  if s.step == step and _engine_part(s) == "forward"]
+        if starts:
+            x = (min(starts) - t0) / 1e6
+            ax.axvline(x, color="0.4", linestyle=":", linewidth=1)
+            ax.text(x, 0.99, f" step {step}", fontsize=8, color="0.3", va="top",
+                    transform=ax.get_xaxis_transform())
     ax.set_yticks([-i for i in range(len(rows))], rows)
     ax.set_xlabel("time (ms), clocks aligned across ranks")
     steps = f"step {min(shown)}" if len(shown) == 1 else f"steps {min(shown)}-{max(shown)}"
     title = title or f"gradient synchronisation on {len(per_rank)} ranks, {steps}"
-    ax.set_title(title, fontsize=10)
+    title = f"{title}\n{setup_line(setup, transports_used([ss for _, ss in chosen]))}"
+    ax.set_title(title, fontsize=9)
     legend = [Patch(color=_ENGINE_COLOURS[p], label=_ENGINE_LABELS[p])
               for p in _ENGINE_COLOURS if p in used["engine"]]
     if used["user"]:

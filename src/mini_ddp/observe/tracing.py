@@ -17,6 +17,15 @@ pays one attribute test per event and nothing else. A recorder stores ``(monoton
 info)`` tuples; the real end of each collective is taken from a done-callback on its future,
 because the reducer only *observes* completion later, when backward has ended.
 
+What ran is part of the record, because mini_ddp's own fast paths are not torch DDP's: a
+"setup" event (:func:`describe_setup`) names the backend, the comm hook, whether two ranks on
+one host sum big buckets in shared memory, and the write-back (``copy``: torch DDP's default;
+``zero-copy``: mini_ddp's default, ``.grad`` becomes the bucket's view; ``bucket view``:
+``gradient_as_bucket_view=True``); each "launch" event names the transport that bucket's
+all-reduce went through (``shared memory``, ``Gloo``, ``NCCL`` or ``comm hook <name>``). The
+Chrome trace carries both (``otherData.setup``, ``otherData.transports`` and each all-reduce's
+``args.transport``), and the timeline PNG prints them under its title.
+
 Clocks: each rank converts its monotonic clock to wall-clock time, with the pair of readings
 taken right after a barrier on entry; the readings are all-gathered so the skew between ranks
 is known (on one host it is only the barrier's exit jitter).
@@ -35,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mini_ddp.observe.spans import Event, RankTrace, spans
+from mini_ddp.observe.spans import Event, RankTrace, Span, spans
 
 
 class TraceRecorder:
@@ -59,6 +68,8 @@ class TraceRecorder:
     def record(self, kind: str, **info: Any) -> None:
         """Log ``kind`` now. A ``future=`` entry is not stored: its completion is logged."""
         future = info.pop("future", None)
+        if kind == "launch" and self._reducer is not None:
+            info["transport"] = transport_of(self._reducer, info.get("bucket"))
         if kind == "finalized":
             with self._landed:  # every collective of the step is complete: callbacks imminent
                 self._landed.wait_for(lambda: self._in_flight == 0, timeout=5.0)
@@ -111,6 +122,11 @@ class TraceRecorder:
         # CPython, so no lock (a lock would cost more than the rest of a record).
         self.events.append((time.monotonic_ns(), kind, info))
 
+    def mark_setup(self) -> None:
+        """Log which paths the attached reducer takes (:func:`describe_setup`)."""
+        if self._reducer is not None:
+            self._append("setup", describe_setup(self._reducer))
+
     def _note_layout(self) -> None:
         # The layout changes once (the rebuild, inside a forward): log it when it does, so the
         # exporter can name each bucket's parameters. One identity test per forward.
@@ -118,6 +134,61 @@ class TraceRecorder:
         if buckets is not None and buckets is not self._layout_seen:
             self._layout_seen = buckets
             self._append("layout", {"buckets": [list(b.param_indices) for b in buckets]})
+
+
+_BACKENDS = {"gloo": "Gloo", "nccl": "NCCL", "mpi": "MPI", "ucc": "UCC"}
+
+
+def _backend(reducer: Any) -> str:
+    try:
+        name = str(dist.get_backend(reducer.group))
+    except (RuntimeError, ValueError, AttributeError):
+        return "unknown backend"
+    return _BACKENDS.get(name, name)
+
+
+def transport_of(reducer: Any, bucket: int | None) -> str:
+    """What bucket ``bucket``'s all-reduce goes through now: ``shared memory``, the process
+    group's backend (``Gloo``, ``NCCL``) or ``comm hook <name>``."""
+    hook = getattr(reducer, "comm_hook", None)
+    if hook is not None:
+        return f"comm hook {getattr(hook, '__qualname__', repr(hook))}"
+    buckets = getattr(reducer, "buckets", [])
+    shm = getattr(reducer, "transport", None)
+    if bucket is not None and bucket < len(buckets) and shm is not None \
+            and getattr(reducer, "use_transport", False) \
+            and not getattr(buckets[bucket], "sparse", False) and shm.owns(buckets[bucket].buffer):
+        return "shared memory"
+    return _backend(reducer)
+
+
+def describe_setup(reducer: Any) -> dict:
+    """The paths a reducer's steps take: backend, comm hook, shared memory, write-back."""
+    config = getattr(reducer, "config", None)
+    as_view = bool(getattr(config, "gradient_as_bucket_view", False))
+    write_back = "bucket view" if as_view else \
+        "zero-copy" if getattr(reducer, "zero_copy", False) else "copy"
+    hook = getattr(reducer, "comm_hook", None)
+    shm = getattr(reducer, "transport", None) is not None
+    return {"backend": _backend(reducer),
+            "comm_hook": None if hook is None else getattr(hook, "__qualname__", repr(hook)),
+            "shared_memory": shm, "write_back": write_back,
+            "find_unused_parameters": bool(getattr(config, "find_unused_parameters", False)),
+            # torch DDP's own path: its backend's all-reduce, results copied into .grad
+            "torch_ddp_path": not shm and hook is None and write_back != "zero-copy"}
+
+
+def setup_line(setup: dict | None, transports: dict[str, int] | None = None) -> str:
+    """One line saying which transport(s) and which write-back a recorded run used."""
+    if not setup:
+        return "transport and write-back not recorded"
+    used = ", ".join(f"{t} ({n} all-reduces)" for t, n in (transports or {}).items()) \
+        or ("shared memory for big buckets, " if setup["shared_memory"] else "") + setup["backend"]
+    back = {"copy": "copy into .grad", "zero-copy": "zero-copy (.grad becomes the bucket's view)",
+            "bucket view": "gradient_as_bucket_view"}[setup["write_back"]]
+    whose = "torch DDP's plain path" if setup["torch_ddp_path"] else \
+        "mini_ddp's fast paths, not torch DDP's"
+    return f"transport: {used}; write-back: {back} — {whose}"
 
 
 class _Tee:
@@ -160,6 +231,7 @@ def trace(model: Any, align_clocks: bool = True) -> Iterator[TraceRecorder]:
     recorder = TraceRecorder(reducer.rank, reducer.names, reducer)
     if align_clocks:
         recorder.align_clock(model.process_group)
+    recorder.mark_setup()
     recorder._note_layout()
     attach(reducer, recorder)
     try:
@@ -185,9 +257,43 @@ def _tid(track: str) -> int:
     return fixed[track] if track in fixed else 10 + int(track.split()[1])
 
 
+def setup_of(rank_trace: RankTrace) -> dict | None:
+    """The "setup" event's description of a recorded rank (None: not recorded)."""
+    return next((info for _, kind, info in rank_trace.events if kind == "setup"), None)
+
+
+def spans_with_transport(rank_trace: RankTrace) -> list[Span]:
+    """:func:`spans`, each all-reduce's ``args`` naming its transport (n-th launch of a bucket
+    pairs with its n-th all-reduce span)."""
+    launched: dict[int, list[str]] = {}
+    for _, kind, info in rank_trace.events:
+        if kind == "launch" and "transport" in info:
+            launched.setdefault(info["bucket"], []).append(info["transport"])
+    out, seen = [], {}
+    for s in spans(rank_trace):
+        if s.track.startswith("bucket") and s.end > s.start:
+            bucket = int(s.track.split()[1])
+            n = seen[bucket] = seen.get(bucket, -1) + 1
+            kinds = launched.get(bucket, [])
+            if n < len(kinds):
+                s = Span(s.track, s.name, s.start, s.end, s.step, {**s.args, "transport": kinds[n]})
+        out.append(s)
+    return out
+
+
+def transports_used(per_rank_spans: list[list[Span]]) -> dict[str, int]:
+    """How many all-reduces went through each transport (over all ranks)."""
+    counts: dict[str, int] = {}
+    for rank_spans in per_rank_spans:
+        for s in rank_spans:
+            if "transport" in s.args:
+                counts[s.args["transport"]] = counts.get(s.args["transport"], 0) + 1
+    return counts
+
+
 def chrome_trace(traces: list[RankTrace]) -> dict:
     """The Chrome trace-event JSON object (one process per rank, one thread per track)."""
-    per_rank = [(t.rank, spans(t)) for t in traces]
+    per_rank = [(t.rank, spans_with_transport(t)) for t in traces]
     t0 = min((s.start for _, ss in per_rank for s in ss), default=0)
     events: list[dict] = []
     for rank, rank_spans in per_rank:
@@ -210,6 +316,8 @@ def chrome_trace(traces: list[RankTrace]) -> dict:
             events.append(event)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"producer": "mini_ddp.observe.tracing", "world_size": len(traces),
+                          "setup": next((setup_of(t) for t in traces if setup_of(t)), None),
+                          "transports": transports_used([ss for _, ss in per_rank]),
                           "clock_skew_us": max((t.skew_ns for t in traces), default=0) / 1000,
                           "t0_unix_ns": t0}}
 

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mini_ddp.tools.demo", "the main job: 2-rank training on CPU with a parity check"),
     "parity": ("mini_ddp.tools.parity", "train under torch DDP and mini_ddp side by side, compare bits"),
     "explain": ("mini_ddp.tools.explain_cli", "show the bucket layout and why each parameter is there"),
+    "ladder": ("mini_ddp.tools.ladder_cli", "run every rung of the teaching ladder beside torch DDP"),
     "trace": ("mini_ddp.tools.trace_demo", "record a short run and write a Chrome trace + PNG timeline"),
     "bench": ("mini_ddp.tools.bench", "step time and memory vs torch DDP, measured side by side"),
     "collective-bench": ("mini_ddp.tools.collective_bench",

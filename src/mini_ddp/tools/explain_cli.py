@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, default="lenet")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
-                        help="DDP's bucket_cap_mb (default: DDP's 25 MiB, first bucket 1 MiB)")
+                        help="DDP's bucket_cap_mb (default: DDP's 25 MiB with a 1 MiB first bucket; "
+                             "a cap you set replaces both)")
     parser.add_argument("--find-unused-parameters", action="store_true")
     parser.add_argument("--static-graph", action="store_true")
     parser.add_argument("--steps", type=int, default=2, help="training steps before explaining")

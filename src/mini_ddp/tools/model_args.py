@@ -1,5 +1,9 @@
 """The model flags the commands share: ``--model`` (a zoo name or ``module:attr``) and how to
-feed it (``--input-shape``, ``--input-dtype``, ``--loss``, ``--num-classes``).
+feed it (``--input-shape``, ``--input-dtype``, ``--vocab``, ``--loss``, ``--num-classes``).
+
+Inputs are drawn per rank and step: floating-point inputs from a standard normal, integer inputs
+(token ids) uniformly in ``[0, vocab)`` (default 1000); cross-entropy targets uniformly in
+``[0, num_classes)``, mse targets from a standard normal.
 
 ``parity``, ``explain`` and ``trace`` all resolve their model through :func:`spec_from_args`,
 so a mistyped name is the same usage error (exit status 2, the valid names listed) everywhere.
@@ -41,7 +45,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str = "mlp",
                         help="one sample's shape, e.g. 4,16 (default: the zoo model's; "
                              "3,32,32 for module:attr)")
     parser.add_argument("--input-dtype", choices=list(DTYPES), default=None,
-                        help="input dtype (integer dtypes draw token ids; default float32)")
+                        help="input dtype (default float32: inputs drawn from a standard "
+                             "normal; an integer dtype draws token ids in [0, --vocab))")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="integer inputs: token ids are drawn uniformly in [0, VOCAB) "
+                             "(default 1000); set it to your embedding's size")
     parser.add_argument("--loss", choices=list(LOSSES), default=None,
                         help="cross_entropy (default), mse, or sum of the output")
     parser.add_argument("--num-classes", type=int, default=None,
@@ -52,6 +60,7 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`ModelSpec` fields the user set on the command line (plain, picklable)."""
     return {"input_shape": getattr(args, "input_shape", None),
             "input_dtype": getattr(args, "input_dtype", None),
+            "vocab": getattr(args, "vocab", None),
             "loss": getattr(args, "loss", None), "num_classes": getattr(args, "num_classes", None)}
 
 

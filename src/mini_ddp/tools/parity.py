@@ -8,7 +8,13 @@ gradient, after each optimizer step every parameter and buffer, and reports per 
 they are bitwise equal, the largest absolute difference and the largest distance in ULPs
 (units in the last place, measured on the integer views of the floats); a gradient that is
 ``None`` in one engine and a tensor in the other is a difference, ``None`` in both is equal.
-The first divergence names the step, the tensor, its bucket in our engine and the rank.
+The first divergence names the step, the tensor, its bucket in our engine and the rank. If
+either engine raises (torch DDP too: e.g. a parameter without a gradient and no
+``--find-unused-parameters``), the comparison stops at that step and the report prints both
+engines' one-line errors (or that one ran fine) and an ``RESULT: ERROR`` line.
+
+Batches (without ``--batch-fn``): float inputs from a standard normal, integer inputs (token ids)
+uniformly in ``[0, --vocab)`` (default 1000), cross-entropy targets in ``[0, --num-classes)``.
 
 ``--reference local`` instead compares with one plain model trained on the global batch (all
 ranks' batches concatenated), within torch's own default test tolerances
@@ -64,7 +70,7 @@ def model_spec_of(opts: ParityOptions) -> ModelSpec:
     """The zoo spec (or ``module:attr`` model) of ``opts``, with its input/loss overrides."""
     return build_spec(opts.model, {"input_shape": opts.input_shape,
                                    "input_dtype": opts.input_dtype, "loss": opts.loss,
-                                   "num_classes": opts.num_classes})
+                                   "num_classes": opts.num_classes, "vocab": opts.vocab})
 
 
 def make_batch(opts: ParityOptions, spec: ModelSpec, step: int, rank: int) -> Batch:
@@ -96,8 +102,15 @@ def _cat(batches: list[Batch]) -> Batch:
     return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
 
 
-def _rank_main(ctx: RankContext, opts: ParityOptions) -> list[TensorDiff]:
-    """Body of one rank: train both engines side by side and return every comparison."""
+def one_line_error(err: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _rank_main(ctx: RankContext, opts: ParityOptions) -> tuple[list[TensorDiff], dict]:
+    """Body of one rank: train both engines side by side; every comparison, and the first
+    error of each engine (``{"torch DDP" | "mini_ddp": (step, one-line error)}``)."""
     spec = model_spec_of(opts)
     torch.manual_seed(opts.seed)
     base = spec.builder()
@@ -136,14 +149,23 @@ def _rank_main(ctx: RankContext, opts: ParityOptions) -> list[TensorDiff]:
                                     *compare_tensors(mine, theirs),
                                     present.numel() if present is not None else 0, missing))
 
+    errors: dict[str, tuple[int, str]] = {}
     for step in range(1, opts.steps + 1):
         batch = make_batch(opts, spec, step, ctx.rank)
-        if opts.reference == "local":
-            _train_step(ref, opt_ref, _cat([make_batch(opts, spec, step, r)
-                                            for r in range(ctx.world_size)]), spec.loss)
-        else:
-            _train_step(ref, opt_ref, batch, spec.loss)
-        _train_step(ours, opt_ours, batch, spec.loss)
+        try:
+            if opts.reference == "local":
+                _train_step(ref, opt_ref, _cat([make_batch(opts, spec, step, r)
+                                                for r in range(ctx.world_size)]), spec.loss)
+            else:
+                _train_step(ref, opt_ref, batch, spec.loss)
+        except Exception as e:  # noqa: BLE001 - the reference failing is a result too
+            errors[other] = (step, one_line_error(e))
+        try:
+            _train_step(ours, opt_ours, batch, spec.loss)
+        except Exception as e:  # noqa: BLE001
+            errors["mini_ddp"] = (step, one_line_error(e))
+        if errors:  # nothing left to compare: both engines' errors are the report
+            break
         mine_p, ref_p = list(ours.module.named_parameters()), list(ref_module.named_parameters())
         record(step, "grad", zip([(n, p.grad) for n, p in mine_p],
                                  [(n, p.grad) for n, p in ref_p], strict=True))
@@ -152,7 +174,7 @@ def _rank_main(ctx: RankContext, opts: ParityOptions) -> list[TensorDiff]:
         record(step, "param", zip(mine_p, ref_p, strict=True))
         record(step, "buffer", zip(ours.module.named_buffers(), ref_module.named_buffers(),
                                    strict=True))
-    return diffs
+    return diffs, errors
 
 
 def _under_torchrun() -> bool:
@@ -175,7 +197,9 @@ def run_parity(opts: ParityOptions) -> ParityReport:
             dist.destroy_process_group()
     else:
         per_rank = run_ranks(_rank_main, opts.world_size, args=(opts,), timeout_s=opts.timeout_s)
-    return ParityReport(opts, [d for diffs in per_rank for d in diffs])
+    errors = {engine: (step, rank, text) for rank, (_, errs) in reversed(list(enumerate(per_rank)))
+              for engine, (step, text) in errs.items()}  # the lowest rank's error is kept
+    return ParityReport(opts, [d for diffs, _ in per_rank for d in diffs], errors)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", choices=("ddp", "local"), default="ddp")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
-    p.add_argument("--find-unused-parameters", action="store_true")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="DDP's find_unused_parameters=True (both engines)")
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--no-broadcast-buffers", dest="broadcast_buffers", action="store_false")

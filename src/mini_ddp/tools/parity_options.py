@@ -27,6 +27,7 @@ class ParityOptions:
     input_dtype: str | None = None  # a model_args.DTYPES name; default: the zoo model's
     loss: str | None = None         # cross_entropy | mse | sum; default: the zoo model's
     num_classes: int | None = None
+    vocab: int | None = None        # integer inputs: token ids in [0, vocab); default 1000
     batch_fn: str | None = None     # module:fn, called (rank, step) -> (inputs, target)
     reference: str = "ddp"          # ddp (bitwise) | local (single process, tolerances)
     inject_bug: str | None = None   # test-only: "divide-after"

@@ -10,7 +10,7 @@ difference and the largest ULP distance. :class:`ParityReport` gathers one
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.testing._comparison import default_tolerances
@@ -85,14 +85,17 @@ class ParityReport:
 
     options: ParityOptions
     diffs: list[TensorDiff]
+    # engine ("torch DDP", "the local reference" or "mini_ddp") -> (step, rank, one-line error)
+    errors: dict[str, tuple[int, int, str]] = field(default_factory=dict)
 
     def _bad(self, d: TensorDiff) -> bool:
         return not (d.close if self.options.reference == "local" else d.equal)
 
     @property
     def ok(self) -> bool:
-        """True when every comparison passed (bitwise vs DDP, within tolerance vs local)."""
-        return not any(self._bad(d) for d in self.diffs)
+        """True when every comparison passed (bitwise vs DDP, within tolerance vs local) and
+        neither engine raised."""
+        return not self.errors and not any(self._bad(d) for d in self.diffs)
 
     @property
     def first_divergence(self) -> TensorDiff | None:
@@ -128,6 +131,8 @@ class ParityReport:
                  f"{'max ULP':>9}" + ("  within tol" if local else "")]
         for step in range(1, o.steps + 1):
             ds = [d for d in self.diffs if d.step == step]
+            if not ds and self.errors:
+                continue  # the run stopped at an error before this step was compared
             eq = all(d.equal for d in ds)
             lines.append(f"{step:>4}  {len(ds):>7}  {'yes' if eq else 'NO':>7}  "
                          f"{max((d.max_abs for d in ds), default=0):>10.3g}  "
@@ -151,7 +156,21 @@ class ParityReport:
                              f"differ, max|diff| {max(d.max_abs for d in g):.3g}, "
                              f"max ULP {max(d.max_ulp for d in g)}")
         first = self.first_divergence
-        if first is None:
+        if self.errors:
+            ref_name = "the local reference" if local else "torch DDP"
+            step = min(s for s, _, _ in self.errors.values())
+            for engine in (ref_name, "mini_ddp"):
+                if engine in self.errors:
+                    at, rank, text = self.errors[engine]
+                    lines.append(f"  {engine:<19} raised at step {at} on rank {rank}: {text}")
+                else:
+                    lines.append(f"  {engine:<19} ran step {step} without an error")
+            who = " and ".join(e for e in (ref_name, "mini_ddp") if e in self.errors)
+            lines.append(f"RESULT: ERROR — {who} raised at step {step}; nothing compared after "
+                         "it" + (" (the reference failed: its error is the model's or the "
+                                 "options', not mini_ddp's)" if "mini_ddp" not in self.errors
+                                 else ""))
+        elif first is None:
             what = "within tolerance" if local else "bitwise equal"
             lines.append(f"RESULT: OK — all {steps} {what} ({len(self.diffs)} tensor "
                          f"comparisons over {o.world_size} ranks)")

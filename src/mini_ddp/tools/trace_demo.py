@@ -1,7 +1,11 @@
 """``python -m mini_ddp trace``: a short real training run, traced on every rank.
 
 Writes ``trace.json`` (open it in https://ui.perfetto.dev or chrome://tracing), a PNG timeline,
-the overlap figure and the bucket layout. ``--overhead`` instead measures what the
+the overlap figure and the bucket layout. Both the trace and the PNG say which transport each
+all-reduce went through and which write-back ran: by default mini_ddp's fast paths (two ranks on
+one host sum buckets of 1 MiB or more in shared memory, and ``.grad`` becomes the bucket's
+view — neither is torch DDP's); ``--as-torch-ddp`` turns both off, so every bucket goes through
+the process group's backend and is copied into ``.grad``, as torch DDP does. ``--overhead`` instead measures what the
 observability tools cost per step: tracing off (the default path), tracing on, the stall
 watchdog on, and the desync detector checking every step — interleaved rounds, medians, no
 claims beyond this machine.
@@ -29,7 +33,10 @@ def _setup(ctx: RankContext, opts: dict) -> tuple[Any, Any, list]:
 
     spec = build_spec(opts["model"], opts["spec"])
     torch.manual_seed(0)
-    model = DataParallelModel(spec.builder(), bucket_cap_mb=opts["bucket_cap_mb"])
+    plain = opts.get("as_torch_ddp", False)  # torch DDP's path: Gloo/NCCL, results copied
+    model = DataParallelModel(spec.builder(), bucket_cap_mb=opts["bucket_cap_mb"],
+                              find_unused_parameters=opts.get("find_unused_parameters", False),
+                              shared_memory_allreduce=not plain, zero_copy_write_back=not plain)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + ctx.rank)  # each rank its own shard of data
     batches = [(*spec.make_batch(opts["batch_size"], gen), spec.loss) for _ in range(4)]
@@ -116,7 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(parser, default="lenet")
     parser.add_argument("--bucket-cap-mb", type=_cap, default=0.01,
                         help="MiB; small by default, so that a tiny model has several "
-                             "buckets; 'ddp' for DDP's defaults (25 MiB, first bucket 1 MiB)")
+                             "buckets; 'ddp' for DDP's defaults (25 MiB, first bucket 1 MiB; a cap "
+                             "you set replaces both, as in torch DDP)")
+    parser.add_argument("--as-torch-ddp", action="store_true",
+                        help="torch DDP's plain path: no shared-memory all-reduce, results "
+                             "copied into .grad (shared_memory_allreduce=False, "
+                             "zero_copy_write_back=False)")
+    parser.add_argument("--find-unused-parameters", action="store_true",
+                        help="DDP's find_unused_parameters=True (a model with parameters "
+                             "that get no gradient)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4, help="steps traced (per round)")
     parser.add_argument("--out", default="runs/trace", help="output directory")
@@ -127,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     # What the ranks rebuild the spec from: plain values (a zoo builder may be a lambda).
     opts = {**vars(args), "spec": {"input_shape": spec.input_shape,
                                    "input_dtype": spec.input_dtype, "loss": spec.loss,
-                                   "num_classes": spec.num_classes}}
+                                   "num_classes": spec.num_classes, "vocab": spec.vocab}}
     if args.overhead:
         medians = run_ranks(_overhead_rank, args.world_size, args=(opts,), timeout_s=1200)
         print(f"median per step, {args.model}, batch {args.batch_size}, world size "
@@ -144,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               "(a traced step records ~3 events per parameter and bucket)")
         return 0
     from mini_ddp.observe.timeline import overlap, overlap_summary, plot_timeline
-    from mini_ddp.observe.tracing import validate_chrome_trace, write_chrome_trace
+    from mini_ddp.observe.tracing import setup_line, validate_chrome_trace, write_chrome_trace
 
     results = run_ranks(_traced_rank, args.world_size, args=(opts,), timeout_s=600)
     traces = [trace for trace, _ in results]
@@ -157,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(summary + "\n")
     with open(os.path.join(args.out, "layout.txt"), "w") as f:
         f.write(results[0][1] + "\n")
-    print(results[0][1], "", "communication hidden behind backward compute (steps 2+):",
+    ran = setup_line(obj["otherData"]["setup"], obj["otherData"]["transports"])
+    print(results[0][1], "", ran, "", "communication hidden behind backward compute (steps 2+):",
           summary, "", f"wrote {args.out}/trace.json ({len(obj['traceEvents'])} events"
           f"{', INVALID: ' + '; '.join(problems) if problems else ''}), timeline.png, "
           "overlap.txt, layout.txt", sep="\n")

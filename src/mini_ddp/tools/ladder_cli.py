@@ -1,0 +1,232 @@
+"""``python -m mini_ddp ladder``: every rung of the teaching ladder beside torch DDP, on your model.
+
+Each rank builds the model from a *different* seed (so each rung's start-up broadcast is tested
+too), and for each rung trains a deep copy under the rung and another under torch DDP, on the
+same per-rank batches, with SGD (lr 0.1, momentum 0.9). After every backward it counts the
+gradient elements in which the rung differs from torch DDP (``torch.equal`` per element; a
+``None`` against a tensor counts as all its elements), and after every step whether the
+parameters are still equal. Then it says *why* a rung differs, by taking rung 1 apart:
+
+* ``naive``               rung 1: sum, then divide; one all-reduce per parameter;
+* ``scale_first_naive``   rung 1 with DDP's scaling (multiply by 1/world_size, then sum);
+* ``bucketed``            rung 2: DDP's scaling and flat buckets, a fixed capped layout;
+* ``never_rebuilt``       rung 3 without the rebuild: DDP's first-iteration layout for good;
+* ``overlapped``          rung 3: hooks, in-order launches, the one rebuild: DDP's bits;
+* ``unused_and_no_sync``  rung 4, with ``find_unused_parameters=True``, beside torch DDP with
+  ``find_unused_parameters=True``.
+
+At two ranks every rung gives DDP's bits (one addition, and halving is exact); from three on,
+where the ``1/world_size`` is applied and where an element sits in the flat buffer (Gloo's ring
+sums each chunk of a buffer in a different order) both change bits. Models are a zoo name or
+``module:attr``, fed as for ``parity`` (``--input-shape``, ``--input-dtype``, ``--vocab``,
+``--loss``, ``--num-classes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mini_ddp.ladder import (
+    BucketedDataParallel,
+    NaiveDataParallel,
+    OverlappedDataParallel,
+    UnusedAndNoSyncDataParallel,
+)
+from mini_ddp.ladder.naive import trainable
+from mini_ddp.tools.helptext import plain
+from mini_ddp.tools.model_args import add_model_arguments, build_spec, spec_from_args
+from mini_ddp.training.models import compute_loss
+from mini_ddp.training.spawn import RankContext, run_ranks
+
+
+class ScaleFirstNaive(NaiveDataParallel):
+    """Rung 1 with DDP's averaging (multiply by 1/world_size, then sum) but no buckets."""
+
+    def sync_grads(self) -> None:
+        """Multiply each gradient by ``1/world_size``, then one SUM all-reduce per parameter."""
+        for _, param in trainable(self.module):
+            param.grad.mul_(1.0 / self.world_size)
+            dist.all_reduce(param.grad, group=self.group)
+
+
+class NeverRebuilt(OverlappedDataParallel):
+    """Rung 3 that keeps iteration 1's layout (one bucket, definition order) for good."""
+
+    def rebuild_if_needed(self) -> None:
+        """Never: the first backward's layout stays."""
+        self.arrival_order = None
+
+
+Factory = Callable[[nn.Module, float | None], nn.Module]
+# name -> (make the rung, does the reference use find_unused_parameters, what differs from DDP)
+RUNGS: dict[str, tuple[Factory, bool, str]] = {
+    "naive": (lambda m, cap: NaiveDataParallel(m), False,
+              "sums then divides, and all-reduces each parameter alone"),
+    "scale_first_naive": (lambda m, cap: ScaleFirstNaive(m), False,
+                          "DDP's scaling, but each parameter all-reduced alone: other offsets"),
+    "bucketed": (lambda m, cap: BucketedDataParallel(m, cap), False,
+                 "DDP's scaling and buckets, but a fixed capped layout, never DDP's rebuilt one"),
+    "never_rebuilt": (lambda m, cap: NeverRebuilt(m, cap), False,
+                      "DDP's first-iteration layout (one bucket) kept after DDP has rebuilt"),
+    "overlapped": (lambda m, cap: OverlappedDataParallel(m, cap), False,
+                   "DDP's scaling, layout and one rebuild"),
+    "unused_and_no_sync": (lambda m, cap: UnusedAndNoSyncDataParallel(
+        m, cap, find_unused_parameters=True), True,
+        "vs DDP(find_unused_parameters=True): capped layout, used map, no rebuild"),
+}
+
+
+def _main_output(out: Any) -> torch.Tensor:
+    """The tensor to take the loss of (torchvision's inception returns a named tuple)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    return next(iter(out.values() if isinstance(out, dict) else out))
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _one_rung(ctx: RankContext, opts: dict, rung: str) -> dict:
+    """Train ``rung`` beside torch DDP; per step, the differing gradient elements."""
+    make, find_unused, _ = RUNGS[rung]
+    spec = build_spec(opts["model"], opts["spec"])
+    torch.manual_seed(1000 + ctx.rank)  # deliberately different on each rank
+    base = spec.builder()
+    try:
+        ref = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=opts["bucket_cap_mb"],
+                                      find_unused_parameters=find_unused)
+        ours = make(copy.deepcopy(base), opts["bucket_cap_mb"])
+    except Exception as e:  # noqa: BLE001 - reported in the table, the other rungs go on
+        return {"steps": [], "error": _one_line(e)}
+    opts_ = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, ours)]
+    steps: list[dict] = []
+    for step in range(opts["steps"]):
+        g = torch.Generator().manual_seed(ctx.rank * 100 + step)
+        x, y = spec.make_batch(opts["batch_size"], g)
+        for who, (model, opt) in enumerate(zip((ref, ours), opts_, strict=True)):
+            try:
+                opt.zero_grad()
+                compute_loss(spec.loss, _main_output(model(x)), y).backward()
+                if hasattr(model, "sync_grads"):
+                    model.sync_grads()
+            except Exception as e:  # noqa: BLE001
+                return {"steps": steps, "error": ("torch DDP: " if who == 0 else "")
+                        + _one_line(e)}
+        pairs = list(zip(ref.module.parameters(), ours.module.parameters(), strict=True))
+        differing = sum(a.numel() if (a.grad is None) != (b.grad is None) else
+                        0 if a.grad is None else int((a.grad != b.grad).sum()) for a, b in pairs)
+        for opt in opts_:
+            opt.step()
+        steps.append({"differing": differing, "elements": sum(a.numel() for a, _ in pairs),
+                      "params_equal": all(torch.equal(a, b) for a, b in pairs)})
+    return {"steps": steps, "error": ""}
+
+
+def _rank_main(ctx: RankContext, opts: dict) -> dict[str, dict]:
+    return {rung: _one_rung(ctx, opts, rung) for rung in opts["rungs"]}
+
+
+def run_ladder(model: str = "mlp", world_size: int = 3, steps: int = 2,
+               bucket_cap_mb: float | None = None, batch_size: int = 8,
+               rungs: list[str] | None = None, spec: dict | None = None,
+               timeout_s: float = 600.0) -> dict[str, dict]:
+    """Rank 0's report per rung: ``{"steps": [{"differing", "elements", "params_equal"}],
+    "error": ""}`` (every rank holds the same averaged gradients)."""
+    opts = {"model": model, "steps": steps, "bucket_cap_mb": bucket_cap_mb,
+            "batch_size": batch_size, "rungs": list(rungs or RUNGS), "spec": spec or {}}
+    return run_ranks(_rank_main, world_size, args=(opts,), timeout_s=timeout_s)[0]
+
+
+def why(reports: dict[str, dict]) -> list[str]:
+    """The decomposition of rung 1's differences, from the first step's counts."""
+    first = {r: rep["steps"][0]["differing"] for r, rep in reports.items()
+             if rep["steps"] and not rep["error"]}
+    lines = []
+    if "naive" in first and "scale_first_naive" in first:
+        lines.append(f"where 1/world_size is applied (sum-then-divide vs DDP's multiply-then-"
+                     f"sum): {first['naive'] - first['scale_first_naive']} of rung 1's "
+                     f"{first['naive']} elements at step 1")
+        lines.append(f"where an element sits in the all-reduce buffer (one all-reduce per "
+                     f"parameter, not DDP's flat bucket): the remaining "
+                     f"{first['scale_first_naive']}")
+    later = {r: rep["steps"][-1]["differing"] for r, rep in reports.items()
+             if len(rep["steps"]) > 1 and not rep["error"]}
+    if "never_rebuilt" in later:
+        lines.append(f"which layout, when (DDP rebuilds its buckets in gradient-arrival order "
+                     f"before step 2): never_rebuilt differs in {later['never_rebuilt']} at "
+                     f"step {len(reports['never_rebuilt']['steps'])}")
+    return lines
+
+
+def format_report(reports: dict[str, dict], title: str) -> str:
+    """The per-step table, each rung's reason, the decomposition and a RESULT line."""
+    n = max((len(r["steps"]) for r in reports.values()), default=0)
+    elements = next((r["steps"][0]["elements"] for r in reports.values() if r["steps"]), 0)
+    lines = [title, f"gradient elements differing from torch DDP's (of {elements}), per step:",
+             f"{'rung':<19}" + "".join(f"{'step ' + str(s + 1):>9}" for s in range(n))
+             + "   why"]
+    for rung, rep in reports.items():
+        cells = "".join(f"{s['differing']:>9}" for s in rep["steps"])
+        cells += " " * 9 * (n - len(rep["steps"]))
+        bitwise = not rep["error"] and all(s["differing"] == 0 and s["params_equal"]
+                                           for s in rep["steps"])
+        reason = rep["error"] or ("bitwise equal: " if bitwise else "") + RUNGS[rung][2]
+        lines.append(f"{rung:<19}{cells}   {reason}")
+    if n > 1:
+        lines.append("(from step 2 on, a rung that differed before also trains different "
+                     "parameters: its counts include that drift)")
+    reasons = why(reports)
+    if reasons:
+        lines += ["why rung 1 differs:", *("  " + line for line in reasons)]
+    ok = all(not rep["error"] and all(s["differing"] == 0 for s in rep["steps"])
+             for rung, rep in reports.items() if rung in ("overlapped", "unused_and_no_sync"))
+    lines.append("RESULT: " + ("rungs 3 and 4 are bitwise equal to torch DDP" if ok else
+                               "a rung that should match torch DDP does not"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run every rung beside torch DDP, print the table (exit 1: rung 3/4 differ)."""
+    parser = argparse.ArgumentParser(prog="python -m mini_ddp ladder", description=plain(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, default="mlp")
+    parser.add_argument("--world-size", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket_cap_mb (default: DDP's 25 MiB with a 1 MiB first bucket; "
+                             "a cap you set replaces both)")
+    parser.add_argument("--rungs", default=",".join(RUNGS),
+                        help="comma-separated, from: " + ", ".join(RUNGS))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    args = parser.parse_args(argv)
+    spec = spec_from_args(parser, args)
+    rungs = [r for r in args.rungs.split(",") if r]
+    unknown = [r for r in rungs if r not in RUNGS]
+    if unknown:
+        parser.error(f"--rungs: unknown {', '.join(unknown)} (choose from {', '.join(RUNGS)})")
+    plain_spec = {"input_shape": spec.input_shape, "input_dtype": spec.input_dtype,
+                  "loss": spec.loss, "num_classes": spec.num_classes, "vocab": spec.vocab}
+    reports = run_ladder(args.model, args.world_size, args.steps, args.bucket_cap_mb,
+                         args.batch_size, rungs, plain_spec, args.timeout)
+    cap = "DDP's default caps" if args.bucket_cap_mb is None else \
+        f"bucket_cap_mb={args.bucket_cap_mb}"
+    print(format_report(reports, f"ladder: {args.model}, world size {args.world_size}, "
+                                 f"{args.steps} steps, batch {args.batch_size} per rank, {cap}"))
+    last = format_report(reports, "").splitlines()[-1]
+    return 0 if "bitwise equal" in last else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
