@@ -20,7 +20,7 @@ because the reducer only *observes* completion later, when backward has ended.
 What ran is part of the record, because mini_ddp's own fast paths are not torch DDP's: a
 "setup" event (:func:`describe_setup`) names the backend, the comm hook, whether two ranks on
 one host sum big buckets in shared memory, and the write-back (``copy``: torch DDP's default;
-``zero-copy``: mini_ddp's default, ``.grad`` becomes the bucket's view; ``bucket view``:
+``zero-copy``: mini_ddp's opt-in, ``.grad`` becomes the bucket's view; ``bucket view``:
 ``gradient_as_bucket_view=True``); each "launch" event names the transport that bucket's
 all-reduce went through (``shared memory``, ``Gloo``, ``NCCL`` or ``comm hook <name>``). The
 Chrome trace carries both (``otherData.setup``, ``otherData.transports`` and each all-reduce's
@@ -186,7 +186,11 @@ def setup_line(setup: dict | None, transports: dict[str, int] | None = None) -> 
         or ("shared memory for big buckets, " if setup["shared_memory"] else "") + setup["backend"]
     back = {"copy": "copy into .grad", "zero-copy": "zero-copy (.grad becomes the bucket's view)",
             "bucket view": "gradient_as_bucket_view"}[setup["write_back"]]
-    whose = "torch DDP's plain path" if setup["torch_ddp_path"] else \
+    # What ran decides: shared memory set up but never used (every bucket below its minimum)
+    # leaves the step on torch DDP's path.
+    ran_plain = transports is not None and "shared memory" not in transports \
+        and setup["comm_hook"] is None and setup["write_back"] != "zero-copy"
+    whose = "torch DDP's plain path" if setup["torch_ddp_path"] or ran_plain else \
         "mini_ddp's fast paths, not torch DDP's"
     return f"transport: {used}; write-back: {back} — {whose}"
 
