@@ -1,0 +1,197 @@
+"""torch.compile takes torch DDP's compiled path with DataParallelModel, bit for bit.
+
+``torch.compile(DDP(m))`` compiles only the wrapped module's frame, while DDP's
+``_inside_ddp_forward()`` marks it active: dynamo then hands the graph to its DDPOptimizer,
+which splits it at DDP's bucket boundaries (``bucket_bytes_cap``) so each bucket's all-reduce
+can start while the rest of the compiled backward runs. DataParallelModel must be seen the
+same way: the same graph breaks at most, the same DDPOptimizer split (spied on here), and so
+the same gradient-ready order, the same rebuilt buckets and the same bits.
+
+Each case runs torch DDP and DataParallelModel one after the other in the same ranks, on deep
+copies of one model and the same per-rank data, and compares every gradient after every
+backward and every parameter after the last step with ``torch.equal``. World size 3 is the
+one that can tell bucket layouts apart (Gloo's sum order depends on where an element sits in
+its buffer); 2 is run as well.
+
+The bitwise models are small (inductor's compile on two shared CPU cores is the cost); the
+graph-break count also covers torchvision's ResNet-18 under ``aot_eager``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp.training.models import resnet18_cifar
+
+
+class WideMLP(nn.Module):
+    """Four linear layers, 2 MiB of gradients: DDPOptimizer splits it in two (its first
+    bucket is capped at 1 MiB, as DDP's), so gradients become ready bucket by bucket."""
+
+    def __init__(self, width: int = 512):
+        super().__init__()
+        self.a, self.b = nn.Linear(12, width), nn.Linear(width, width)
+        self.c, self.d = nn.Linear(width, width), nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, one pre-norm attention + MLP block, a vocabulary head."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, d)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        b, s, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        h = h + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        h = h + self.down(F.gelu(self.up(self.norm2(h))))
+        return self.head(h)
+
+
+def _mse_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 12, generator=gen), torch.randn(8, 5, generator=gen)
+
+
+def _token_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 64, (4, 16), generator=gen), torch.randint(0, 64, (4, 16), generator=gen)
+
+
+def _image_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen)
+
+
+MODELS = {  # builder, batch, loss
+    "mlp": (WideMLP, _mse_batch, F.mse_loss),
+    "transformer": (TinyTransformer, _token_batch,
+                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())),
+    "resnet18": (resnet18_cifar, _image_batch, F.cross_entropy),
+}
+
+
+def _spy_on_ddp_optimizer() -> list[tuple[int, int]]:
+    """Record (bucket_bytes_cap, number of subgraphs) of every graph DDPOptimizer splits."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    calls: list[tuple[int, int]] = []
+    original = DDPOptimizer.compile_fn
+
+    def compile_fn(self, gm, example_inputs, **kwargs):
+        compiled = original(self, gm, example_inputs, **kwargs)
+        calls.append((self.bucket_bytes_cap, len(self.buckets)))
+        return compiled
+
+    DDPOptimizer.compile_fn = compile_fn
+    return calls
+
+
+def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: str,
+           steps: int, rank: int, calls: list) -> dict[str, Any]:
+    """Compile and train one engine on a copy of ``base``; what it did, step by step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    calls.clear()
+    _, make_batch, loss_fn = MODELS[model_name]
+    module = copy.deepcopy(base)
+    if order == "outer":  # torch.compile(DDP(m))
+        model = torch.compile(engine(module), backend=backend)
+    else:  # DDP(torch.compile(m))
+        model = engine(torch.compile(module, backend=backend))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    grads = []
+    for _ in range(steps):
+        x, y = make_batch(gen)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return {"grads": grads, "params": [p.detach().clone() for p in model.parameters()],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "break_reasons": sorted(k.splitlines()[0] for k in counters["graph_break"]),
+            "ddp_optimizer": list(calls)}
+
+
+def _compare(ctx, cases: list[tuple[str, str, str]], steps: int) -> list[dict[str, Any]]:
+    """Per (model, backend, order): torch DDP's run and ours, compared on this rank."""
+    calls = _spy_on_ddp_optimizer()
+    out = []
+    for model_name, backend, order in cases:
+        torch.manual_seed(ctx.rank)  # a different model per rank: the start-up broadcast counts
+        base = MODELS[model_name][0]()
+        ddp = _train(DDP, model_name, base, backend, order, steps, ctx.rank, calls)
+        mini = _train(DataParallelModel, model_name, base, backend, order, steps, ctx.rank,
+                      calls)
+        grads_equal = [all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True))
+                       for ga, gb in zip(ddp["grads"], mini["grads"], strict=True)]
+        params_equal = all(torch.equal(a, b) for a, b in
+                           zip(ddp["params"], mini["params"], strict=True))
+        max_diff = max((a - b).abs().max().item() for a, b in
+                       zip(ddp["params"], mini["params"], strict=True))
+        out.append({"case": (model_name, backend, order), "grads_equal": grads_equal,
+                    "params_equal": params_equal, "max_param_diff": max_diff,
+                    **{f"{k}_{name}": run[k] for name, run in (("ddp", ddp), ("mini", mini))
+                       for k in ("graph_breaks", "break_reasons", "ddp_optimizer")}})
+    return out
+
+
+def _check_bitwise(results: list[list[dict[str, Any]]]) -> None:
+    for rank, rows in enumerate(results):
+        for row in rows:
+            where = f"rank {rank}, {row['case']}"
+            assert row["ddp_optimizer_mini"] == row["ddp_optimizer_ddp"], where
+            assert all(row["grads_equal"]), (where, row["grads_equal"], row["max_param_diff"])
+            assert row["params_equal"], (where, row["max_param_diff"])
+
+
+@pytest.mark.timeout(300)
+def test_graph_breaks_at_most_torch_ddps_and_same_ddp_optimizer_split():
+    cases = [(name, "aot_eager", "outer") for name in MODELS]
+    results = run_ranks(_compare, 2, (cases, 3), timeout_s=280)
+    for row in results[0]:
+        where = (row["case"], row["break_reasons_mini"], row["break_reasons_ddp"])
+        assert row["graph_breaks_mini"] <= row["graph_breaks_ddp"], where
+        # The spy saw DDPOptimizer split a graph for torch DDP: so it must have for ours.
+        assert row["ddp_optimizer_ddp"], row["case"]
+    by_name = {row["case"][0]: row for row in results[0]}
+    assert len(by_name["mlp"]["ddp_optimizer_ddp"][0]) == 2
+    assert by_name["mlp"]["ddp_optimizer_ddp"][0][1] == 2  # two subgraphs: the test can fail
+    _check_bitwise(results)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_aot_eager_bitwise_equal_to_torch_ddp_both_orders(world_size):
+    cases = [(name, "aot_eager", order) for name in ("mlp", "transformer")
+             for order in ("outer", "inner")]
+    _check_bitwise(run_ranks(_compare, world_size, (cases, 4), timeout_s=280))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_inductor_bitwise_equal_to_torch_ddp_both_orders(world_size):
+    cases = [("mlp", "inductor", order) for order in ("outer", "inner")]
+    _check_bitwise(run_ranks(_compare, world_size, (cases, 3), timeout_s=580))
