@@ -34,12 +34,16 @@ class CommHookRegistration:
         :func:`mini_ddp.engine.gloo_safe.gloo_safe` (each bucket finishes before the next starts): as
         they are, they deadlock there, in torch DDP too. See docs/comm_hooks.md.
         """
+        self._check_comm_hook(hook)
+        self._install_comm_hook(state, hook, hook_name(hook), TWO_HOOKS)
+
+    def _check_comm_hook(self, hook: CommHook) -> None:
+        """torch DDP's checks on a hook (callable, signature), recorded as DDP records them."""
         try:
             check_comm_hook(hook)
         except (TypeError, ValueError) as err:
             self._runtime_log.record_error(err)
             raise
-        self._install_comm_hook(state, hook, hook_name(hook), TWO_HOOKS)
 
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``,

@@ -91,6 +91,13 @@ def announce_backward_sync(model: JoiningModel, joined: bool) -> bool | None:
     return bool(flag.item() != 0)
 
 
+def sync_final_model(model: JoiningModel, is_last_joiner: bool) -> None:
+    """Every rank takes the parameters (and buffers) of the last rank to join; ties go to
+    the highest rank, as DDP breaks them."""
+    src = find_common_rank(model, candidate=is_last_joiner)
+    model.broadcast_module_states(include_buffers=model.config.forward_sync_buffers, src=src)
+
+
 def shadow_backward(reducer: Any) -> None:
     """Stand in for a synced backward this rank does not run (it has joined).
 
@@ -135,8 +142,5 @@ class DataParallelJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Give every rank the model of the last rank to join (ties: the highest rank)."""
-        model = self.model
-        src = find_common_rank(model, candidate=is_last_joiner)
-        model.broadcast_module_states(include_buffers=model.config.forward_sync_buffers,
-                                       src=src)
-        model.reducer.div_factor = model.reducer.world_size
+        sync_final_model(self.model, is_last_joiner)
+        self.model.reducer.div_factor = self.model.reducer.world_size

@@ -2,7 +2,8 @@
 join hook, and the device and group the protocol's own all-reduces use.
 
 What a joined rank does (shadowing the others' collectives, the final broadcast) lives in
-:mod:`mini_ddp.engine.join`; this mixin only wires the model into ``Join``.
+:mod:`mini_ddp.engine.join`; this mixin only wires the model into ``Join``, and answers the
+underscore steps of torch DDP's own join hook by name, over the same functions.
 """
 
 from __future__ import annotations
@@ -38,6 +39,23 @@ class JoinableModel:
         """The :class:`~torch.distributed.algorithms.join.Joinable` hook (``Join`` calls it)."""
         return joining.DataParallelJoinHook(
             self, kwargs.get("divide_by_initial_world_size", True))
+
+    def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool) -> bool | None:
+        """The all-reduce telling joined ranks whether this backward syncs (DDP's step)."""
+        return joining.announce_backward_sync(self, joined=is_joined_rank)
+
+    def _check_and_sync_module_buffers(self) -> None:
+        """A joined rank's side of the buffer broadcast before forward (DDP's step)."""
+        if self.will_sync_module_buffers():
+            self.sync_buffers(src=joining.find_common_rank(self, candidate=False))
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the last rank to join (DDP's step)."""
+        joining.sync_final_model(self, is_last_joiner)
+
+    def _find_common_rank(self, input_rank: int, rank_cond: bool) -> int:
+        """The highest rank for which ``rank_cond`` holds (``input_rank`` is this rank's)."""
+        return joining.find_common_rank(self, candidate=rank_cond)
 
     @property
     def join_device(self) -> torch.device:

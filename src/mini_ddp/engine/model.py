@@ -7,6 +7,10 @@ comm-hook registration (:mod:`.comm_hook_registration`), torch DDP's semi-privat
 (:mod:`.ddp_private_api`) and the ``Join`` protocol (:mod:`.joinable`); the output sink
 forward routes its outputs through is :mod:`.output_sink`. How gradients are bucketed and
 reduced is the reducer's business (:mod:`mini_ddp.engine.reducer`).
+
+The class derives from ``torch.nn.parallel.DistributedDataParallel`` without running its
+constructor; :data:`INHERITED_FROM_TORCH_DDP` lists the few members of torch's class it keeps,
+and why each is safe without torch's reducer.
 """
 
 from __future__ import annotations
@@ -23,14 +27,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Joinable
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
 from mini_ddp.engine import construction, pickling
 from mini_ddp.engine import join as joining
-from mini_ddp.engine.comm import dist_broadcast_coalesced, verify_params_across_ranks
+from mini_ddp.engine.comm import (
+    BROADCAST_BUCKET_BYTES,
+    dist_broadcast_coalesced,
+    verify_params_across_ranks,
+)
 from mini_ddp.engine.comm_hook_registration import CommHookRegistration
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.ddp_private_api import STATIC_AND_FIND_UNUSED, TorchDDPPrivateAPI
+from mini_ddp.engine.ddp_private_api import (
+    STATIC_AND_FIND_UNUSED,
+    TorchDDPInternals,
+    TorchDDPPrivateAPI,
+)
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
 from mini_ddp.engine.joinable import JoinableModel
 from mini_ddp.engine.logging_data import RuntimeLog
@@ -49,14 +62,41 @@ from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 logger = logging.getLogger("mini_ddp")
 
+# The members of torch DDP's class that DataParallelModel inherits rather than owns, and why
+# each is safe although torch's constructor never ran (no C++ reducer, no logger, no buckets).
+# Every other member torch's class defines is overridden (tests/test_dropin_ddp_subclass.py).
+INHERITED_FROM_TORCH_DDP = {
+    "_active_ddp_module": "class attribute (None outside a forward) that torch.compile reads; "
+                          "it belongs to torch's class, not to an instance",
+    "_get_active_ddp_module": "classmethod: only reads the class attribute _active_ddp_module",
+    "_inside_ddp_forward": "context manager: only sets and restores _active_ddp_module",
+    "_get_parameters": "generator over a module's parameters; reads nothing of the instance",
+    "_get_data_parallel_params": "staticmethod over a module's parameters (skips _ddp_ignored)",
+    "scatter": "torch's scatter_kwargs over self.dim, which the constructor keeps",
+    "gather": "torch's gather over self.dim, which the constructor keeps",
+    "train": "nn.Module.train, then returns self",
+}
+# Class metadata every class has, or the ABC bookkeeping Joinable brings (not behaviour).
+CLASS_METADATA = {"__module__", "__doc__", "__annotations__", "__abstractmethods__",
+                  "_abc_impl", "__dict__", "__weakref__", "__qualname__", "__firstlineno__",
+                  "__static_attributes__"}
 
-class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel, nn.Module,
-                        Joinable):
+
+class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPInternals,
+                        JoinableModel, DistributedDataParallel):
     """Synchronise gradients of ``module`` across processes, exactly like torch DDP.
 
     Same constructor arguments, same semantics and — on the default path — the same bits as
     ``torch.nn.parallel.DistributedDataParallel``; ``state_dict()`` keys carry the same
     ``module.`` prefix, so checkpoints interchange in both directions.
+
+    It *is* a ``DistributedDataParallel`` for ``isinstance``: PyTorch Lightning, Accelerate,
+    the Transformers ``Trainer``, ``torch.distributed.checkpoint`` and ``torch.compile`` choose
+    their DDP code paths (manual-backward arming, unwrapping, ``module.`` prefix handling) by
+    that check. It never runs torch's constructor — no C++ reducer, logger or bucket exists —
+    so it owns every method of torch's class that would reach them: each is implemented over
+    mini_ddp's engine or refuses with what mini_ddp does instead; the few inherited members are
+    listed with the reason in :data:`INHERITED_FROM_TORCH_DDP`.
 
     mini_ddp additions (keyword-only): ``sync_timeout_s`` — the bound on waiting for one
     bucket's collective at the end of backward, and for the buffer broadcast before forward
@@ -83,9 +123,17 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
                  sync_timeout_s: float | None = None, stall_warning_s: float | None = 60.0,
                  zero_copy_write_back: bool = True,
                  shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20):
-        super().__init__()
+        # Not DistributedDataParallel.__init__: it would build torch's C++ reducer.
+        nn.Module.__init__(self)
         Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.engine.join
         self.divide_by_initial_world_size = True  # join(divide_by_initial_world_size=...)
+        # Attributes torch DDP's constructor sets and callers read.
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._lazy_init_ran = False
+        self._use_python_reducer = False
+        self._ddp_sink_clone = True
+        self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
         if not (dist.is_available() and dist.is_initialized()):
             # torch DDP's ValueError and sentence (from looking up the default group).
             raise ValueError(
@@ -169,8 +217,6 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
             self.register_comm_hook(mixed_precision_setup(
                 module, [p for _, p in named], mixed_precision, self.process_group,
                 self.reducer.on_grad_accumulated), allreduce_and_upcast_hook)
-        self.require_backward_grad_sync = True
-        self.require_forward_param_sync = True
 
     def _attach_reducer(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """A fresh reducer (and what watches it) over ``named``: at construction, after
@@ -190,7 +236,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = pickling.default_group_for_unpickle()
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)  # not DDP's: it would build torch's reducer
         self.transport = None  # a copy sums through Gloo (same bits): no second shm channel
         self._attach_reducer(construction.params_for_reducer(self.module,
                                                              self.parameters_to_ignore))
@@ -208,11 +254,24 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
             dist_broadcast_coalesced(states, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group)
 
-    # ---- forward -------------------------------------------------------------------------
+    # ---- forward: torch DDP's three steps, under torch DDP's names ---------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the module; around it, do DDP's per-forward bookkeeping."""
+        """Run the module; around it, do DDP's per-forward bookkeeping.
+
+        Split as torch DDP splits it (``_pre_forward``, ``_run_ddp_forward``, ``_post_forward``):
+        code written against DDP (``torch.distributed._composable.replicate``, compilers) calls
+        the three steps by name.
+        """
+        inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+        return self._post_forward(self._run_ddp_forward(*inputs, **kwargs))
+
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """Before the module runs: count the iteration, rebuild buckets once, broadcast
+        buffers, tell ``Join`` this rank trains, move and cast the inputs."""
+        if not self._lazy_init_ran:
+            self._lazy_init()
         if self.reducer is None:  # every parameter delayed: none of DDP's bookkeeping
-            return self.delayed.forward(self.module, inputs, kwargs)
+            return inputs, kwargs
         trace = self.reducer.trace
         if trace is not None:
             trace.record("forward_start")
@@ -236,7 +295,22 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
             inputs, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
         inputs, kwargs = cast_inputs(self.mixed_precision, inputs, kwargs)
-        output = self.module(*inputs, **kwargs)
+        # A backward that runs before _post_forward (a framework's manual backward inside
+        # the forward) must be armed explicitly, or it is refused (see Reducer).
+        self.reducer.forward_running(grad_enabled and self.require_backward_grad_sync)
+        return inputs, kwargs
+
+    def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward."""
+        return self.module(*inputs, **kwargs)
+
+    def _post_forward(self, output: Any) -> Any:
+        """After the module ran: arm the reducer for this forward's backward (with the
+        unused-parameter search's outputs), route outputs through the sink when needed."""
+        if self.reducer is None:
+            self.delayed.point_grads_at_buffer()
+            return output
+        self.reducer.forward_running(False)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             search = self.find_unused_parameters and not self.static_graph
@@ -247,12 +321,12 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
                 self.reducer.local_backward_follows()
         if (self.find_unused_parameters and not self.static_graph) or (
                 self.static_graph and not self._delay_all_reduce_enqueued):
-            output = through_sink(output, self._on_outputs_backward)
+            output = through_sink(output, self._on_outputs_backward, clone=self._ddp_sink_clone)
         if self.delayed is not None:
             self.delayed.point_grads_at_buffer()
         self._runtime_log.forward_finished()
-        if trace is not None:
-            trace.record("forward_end")
+        if self.reducer.trace is not None:
+            self.reducer.trace.record("forward_end")
         return output
 
     def _on_outputs_backward(self) -> None:
@@ -286,6 +360,49 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, JoinableModel,
             dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group,
                                      timeout_s=self.config.sync_timeout_s)
+
+    # ---- torch DDP's names for the buffer broadcast ------------------------------------
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 before each synced forward."""
+        return self.config.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.config.forward_sync_buffers = value
+
+    def _check_sync_bufs_pre_fwd(self) -> bool:
+        """Will buffers be broadcast before this forward (DDP's name)?"""
+        return self.will_sync_module_buffers()
+
+    def _check_sync_bufs_post_fwd(self) -> bool:
+        """After forward: never (that needs a buffer comm hook, which mini_ddp has not)."""
+        return False
+
+    def _sync_buffers(self) -> None:
+        """DDP's name for :meth:`sync_buffers` from the authoritative rank."""
+        self.sync_buffers()
+
+    def _sync_module_buffers(self, authoritative_rank: int) -> None:
+        """Broadcast buffers from group rank ``authoritative_rank``."""
+        self.sync_buffers(src=authoritative_rank)
+
+    def _default_broadcast_coalesced(self, bufs: Any = None, bucket_size: int | None = None,
+                                     authoritative_rank: int = 0) -> None:
+        """Broadcast ``bufs`` (default: the synced buffers) from ``authoritative_rank``."""
+        self._distributed_broadcast_coalesced(
+            tuple(self._buffers_to_sync()) if bufs is None else bufs,
+            self.broadcast_bucket_size if bucket_size is None else bucket_size,
+            authoritative_rank)
+
+    def _distributed_broadcast_coalesced(self, tensors: Any, buffer_size: int,
+                                         authoritative_rank: int = 0) -> None:
+        """Overwrite ``tensors`` with group rank ``authoritative_rank``'s, coalesced in
+        chunks of ``buffer_size`` bytes (torch's ``_broadcast_coalesced`` contract)."""
+        dist_broadcast_coalesced(tensors, src=dist.get_global_rank(self.process_group,
+                                                                   authoritative_rank),
+                                 group=self.process_group, bucket_bytes=buffer_size,
+                                 timeout_s=self.config.sync_timeout_s)
 
     # ---- user controls -------------------------------------------------------------------
     @contextmanager

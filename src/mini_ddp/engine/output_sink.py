@@ -28,24 +28,27 @@ class OutputSink(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, on_backward: weakref.WeakMethod, *outputs: Any) -> tuple:
+    def forward(ctx: Any, on_backward: weakref.WeakMethod, clone: bool, *outputs: Any) -> tuple:
         ctx.set_materialize_grads(False)
         ctx.on_backward = on_backward
-        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outputs)
+        # DDPSink clones unless ``_set_ddp_sink_clone(False)``: a loss modified in place must
+        # not be the sink's own output.
+        return tuple(o.clone() if clone and isinstance(o, torch.Tensor) else o for o in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
         on_backward = ctx.on_backward()  # None once the model is gone
         if on_backward is not None:
             on_backward()
-        return (None, *grads)
+        return (None, None, *grads)
 
 
-def through_sink(output: Any, on_backward: Callable[[], None]) -> Any:
+def through_sink(output: Any, on_backward: Callable[[], None], clone: bool = True) -> Any:
     """Route every output tensor through :class:`OutputSink`; ``on_backward`` (a bound method,
-    held weakly: the graph must not keep the model alive) runs when its backward does."""
+    held weakly: the graph must not keep the model alive) runs when its backward does;
+    ``clone=False`` passes the tensors through uncloned (``_set_ddp_sink_clone(False)``)."""
     leaves, spec = pytree.tree_flatten(output)
-    passed = OutputSink.apply(weakref.WeakMethod(on_backward), *leaves)
+    passed = OutputSink.apply(weakref.WeakMethod(on_backward), clone, *leaves)
     # Tensors that are not part of a graph stay as they were (DDP does the same).
     merged = [leaf if isinstance(leaf, torch.Tensor) and leaf.grad_fn is None else new
               for leaf, new in zip(leaves, passed, strict=True)]

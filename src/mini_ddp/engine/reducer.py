@@ -71,8 +71,8 @@ class Reducer(ReducerState):
         # DDP tells "used but got no gradient" apart from "never reached".
         self._accumulators = [_grad_accumulator(p) for p in self.params]
         me = weakref.ref(self)  # the nodes outlive nothing, but avoid a cycle through C++
-        for index, acc in enumerate(self._accumulators):
-            acc.register_hook(functools.partial(_hook_trampoline, me, index))
+        self._hook_handles = [acc.register_hook(functools.partial(_hook_trampoline, me, index))
+                              for index, acc in enumerate(self._accumulators)]
 
     def _through_transport(self, bucket: bucketing.Bucket) -> bool:
         """Is this step's all-reduce of ``bucket`` the shared-memory one (not Gloo's)?"""
@@ -92,6 +92,17 @@ class Reducer(ReducerState):
         self.layout.arm()
         if self.unused_search.dynamic:
             self.unused_search.search(self._accumulators, outputs)
+
+    def remove_autograd_hooks(self) -> None:
+        """Remove every gradient hook (DDP's ``_remove_autograd_hooks``): later backwards
+        leave ``.grad`` local."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def forward_running(self, synced: bool) -> None:
+        """The model's forward starts (``synced``: it will synchronise) or has returned."""
+        self.step.forward_running = synced
 
     # ---- 1. hook -------------------------------------------------------------------------
     def on_grad_accumulated(self, index: int) -> None:
@@ -114,6 +125,9 @@ class Reducer(ReducerState):
                     # A second backward on a synced forward: torch DDP ignores the hook and lets
                     # the gradient stay local (the ranks drift apart). We refuse it.
                     raise MarkedTwiceError(self.rank, self.names[index], index, after_sync=True)
+                unarmed = step.unarmed(self.rank, self.names[index], index)
+                if unarmed is not None:  # backward inside a forward nobody armed: refused
+                    raise unarmed
                 return  # no_sync(), or a backward DDP was not asked to synchronise
             if self.trace is not None:
                 self.trace.record("hook", param=index)

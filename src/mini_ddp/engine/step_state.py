@@ -13,6 +13,21 @@ from dataclasses import dataclass, field
 from mini_ddp.errors import MiniDDPError
 
 
+class UnarmedBackwardError(MiniDDPError):
+    """A backward ran inside a synchronised forward that nobody armed for it."""
+
+    def __init__(self, rank: int, name: str, index: int):
+        self.rank, self.name, self.index = rank, name, index
+        super().__init__(
+            f"mini_ddp: parameter '{name}' (index {index}) received a gradient on rank {rank} "
+            "while DataParallelModel's forward was still running, and nothing armed the "
+            "reducer for that backward: its gradients would stay local and the ranks would "
+            "drift apart. Call model.reducer.prepare_for_backward(outputs) before such a "
+            "backward (as torch DDP requires and PyTorch Lightning does through "
+            "isinstance(model, DistributedDataParallel)), run backward after the forward "
+            "returns, or run the forward inside model.no_sync() to accumulate locally.")
+
+
 @dataclass
 class StepState:
     """The per-step state of a reducer over ``num_params`` parameters."""
@@ -27,6 +42,7 @@ class StepState:
     tracks_used: bool = False        # hooks fill the used map
     records_order: bool = False      # hooks record the gradient-ready order for the rebuild
     expect_hooks: bool = False       # a synced backward is expected
+    forward_running: bool = False    # a synced forward has not returned yet
     synced_this_step: bool = False   # a synced backward finished; no forward since
     require_finalize: bool = False   # some gradient was marked ready and not yet finished
     marked_unused: bool = False      # this backward's unused parameters were marked ready
@@ -79,6 +95,18 @@ class StepState:
         self.synced_this_step = True
         self.require_finalize = False
         self.backward_counted = False
+
+    def unarmed(self, rank: int, name: str, index: int) -> UnarmedBackwardError | None:
+        """A hook fired while no synced backward is expected: the error to raise, if any.
+
+        torch DDP ignores such a gradient, which is right for ``no_sync()`` and for a backward
+        through the bare module, but not for a backward that runs *inside* a synced forward
+        (a framework's manual backward in ``training_step``) that nobody armed with
+        ``reducer.prepare_for_backward``: its gradients would stay local, the ranks drift apart.
+        """
+        if self.forward_running:
+            return UnarmedBackwardError(rank, name, index)
+        return None
 
     def missing(self) -> list[int]:
         """Parameters not marked ready in this iteration."""
