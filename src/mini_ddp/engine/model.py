@@ -191,6 +191,8 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             shared_memory_allreduce=shared_memory_allreduce,
             shared_memory_min_bytes=shared_memory_min_bytes)
         self.config.resolve_sync_timeout(self.process_group)  # None: the group's timeout
+        # torch DDP's attribute: torch.compile's DDPOptimizer splits graphs at this many bytes.
+        self.bucket_bytes_cap = self.config.bucket_bytes_cap
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -255,16 +257,21 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
                                      group=self.process_group)
 
     # ---- forward: torch DDP's three steps, under torch DDP's names ---------------------
+    # torch.compile: dynamo runs this frame and the bookkeeping around the module eagerly
+    # (torch DDP's forward graph-breaks at its own) and compiles only the module's frame, inside
+    # _inside_ddp_forward(). torch's lazy decorator: dynamo is imported at the first call.
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; around it, do DDP's per-forward bookkeeping.
 
         Split as torch DDP splits it (``_pre_forward``, ``_run_ddp_forward``, ``_post_forward``):
         code written against DDP (``torch.distributed._composable.replicate``, compilers) calls
-        the three steps by name.
+        the three steps by name. Under ``torch.compile`` only the module runs compiled.
         """
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
         return self._post_forward(self._run_ddp_forward(*inputs, **kwargs))
 
+    @torch._disable_dynamo
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[tuple, dict]:
         """Before the module runs: count the iteration, rebuild buckets once, broadcast
         buffers, tell ``Join`` this rank trains, move and cast the inputs."""
@@ -300,10 +307,23 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         self.reducer.forward_running(grad_enabled and self.require_backward_grad_sync)
         return inputs, kwargs
 
+    @torch._disable_dynamo(recursive=False)  # only the module's own frame is compiled
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The wrapped module's forward."""
-        return self.module(*inputs, **kwargs)
+        """The wrapped module's forward, as torch DDP's: while this model is DDP's active
+        module, so ``torch.compile`` splits the module's graph at ``bucket_bytes_cap``
+        boundaries (its DDPOptimizer) and gradients become ready in torch DDP's order."""
+        if self.reducer is None:  # torch DDP runs this case outside _inside_ddp_forward too
+            return self.module(*inputs, **kwargs)
+        # What torch DDP's _inside_ddp_forward() does (saved and restored: DDPs may nest),
+        # without its context manager, whose contextlib frames dynamo would trace and break in.
+        previous = DistributedDataParallel._active_ddp_module
+        DistributedDataParallel._active_ddp_module = self
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            DistributedDataParallel._active_ddp_module = previous
 
+    @torch._disable_dynamo
     def _post_forward(self, output: Any) -> Any:
         """After the module ran: arm the reducer for this forward's backward (with the
         unused-parameter search's outputs), route outputs through the sink when needed."""
