@@ -30,7 +30,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from mini_ddp.engine import construction, pickling
+from mini_ddp.engine import construction, pickling, python_reducer
 from mini_ddp.engine import join as joining
 from mini_ddp.engine.comm import (
     BROADCAST_BUCKET_BYTES,
@@ -131,7 +131,10 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._lazy_init_ran = False
-        self._use_python_reducer = False
+        # torch DDP's compiled-autograd mode (optimize_ddp="python_reducer"), decided at
+        # construction as torch decides it: see mini_ddp.engine.python_reducer.
+        self._use_python_reducer = python_reducer.requested()
+        self._accum_grad_hooks: list = []
         self._ddp_sink_clone = True
         self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
         if not (dist.is_available() and dist.is_initialized()):
@@ -207,6 +210,10 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)
         self._attach_reducer(named)
+        if self._use_python_reducer:  # our reducer's hooks go: torch's C++ ones do nothing
+            self.reducer.remove_autograd_hooks()
+            python_reducer.configure_inductor(bucket_cap_mb)
+            self._accum_grad_hooks = python_reducer.register_hooks(self, [p for _, p in named])
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:  # torch's sequence: see mini_ddp.engine.mixed_precision
             logger.warning("Received mixed precision config %s", mixed_precision)
@@ -257,10 +264,6 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
                                      group=self.process_group)
 
     # ---- forward: torch DDP's three steps, under torch DDP's names ---------------------
-    # torch.compile: dynamo runs this frame and the bookkeeping around the module eagerly
-    # (torch DDP's forward graph-breaks at its own) and compiles only the module's frame, inside
-    # _inside_ddp_forward(). torch's lazy decorator: dynamo is imported at the first call.
-    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; around it, do DDP's per-forward bookkeeping.
 
@@ -268,6 +271,15 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         code written against DDP (``torch.distributed._composable.replicate``, compilers) calls
         the three steps by name. Under ``torch.compile`` only the module runs compiled.
         """
+        if self._use_python_reducer:  # torch DDP's three steps do nothing (dynamo traces it)
+            return self.module(*inputs, **kwargs)
+        return self._forward_with_bookkeeping(*inputs, **kwargs)
+
+    # torch.compile: dynamo runs this frame and the bookkeeping around the module eagerly
+    # (torch DDP's forward graph-breaks at its own) and compiles only the module's frame, as
+    # DDP's active module. torch's lazy decorator: dynamo is imported at the first call.
+    @torch._disable_dynamo(recursive=False)
+    def _forward_with_bookkeeping(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
         return self._post_forward(self._run_ddp_forward(*inputs, **kwargs))
 
