@@ -274,3 +274,39 @@ def test_docs_compile_snippets_run(one_rank_group, marker):
     finally:
         torch.compiler.set_default_backend(None)
         torch._dynamo.reset()
+
+
+@pytest.mark.timeout(300)
+def test_bench_compile_times_both_compiled_engines_side_by_side(tmp_path, capsys):
+    import json
+
+    from mini_ddp.tools import bench
+
+    out = tmp_path / "bench.json"
+    assert bench.main(["--models", "tiny", "--quick", "--compile", "--compile-backend",
+                       "aot_eager", "--engines", "torch_ddp,mini_ddp", "--sweep-world-size",
+                       "0", "--no-memory", "--timeout", "240", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert set(row["median_ms"]) == {"torch_ddp", "mini_ddp", "torch_ddp_compiled",
+                                     "mini_ddp_compiled"}
+    assert row["over_compiled_ddp"]["torch_ddp_compiled"] == 1.0
+    assert row["over_compiled_ddp"]["mini_ddp_compiled"] > 0
+    assert "torch.compile (backend aot_eager" in capsys.readouterr().out
+
+
+def test_compiled_autograd_without_the_python_reducer_is_refused_by_name(one_rank_group):
+    import torch._dynamo
+    import torch._inductor.config
+
+    from mini_ddp.errors import MiniDDPError
+
+    model = DataParallelModel(WideMLP(16))
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        with pytest.raises(MiniDDPError, match='optimize_ddp = "python_reducer"'):
+            model(torch.randn(4, 12))
+        with torch._dynamo.config.patch(optimize_ddp="python_reducer"), \
+                torch._inductor.config.patch(_fuse_ddp_communication=False):  # set by the model
+            ok = DataParallelModel(WideMLP(16))  # built in the mode: torch DDP's python reducer
+            F.mse_loss(ok(torch.randn(4, 12)), torch.randn(4, 5)).backward()  # eager backward
+            assert ok._use_python_reducer and ok.reducer.num_iterations == 0
+    model(torch.randn(4, 12))  # compiled autograd off again: the usual path

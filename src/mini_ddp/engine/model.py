@@ -289,6 +289,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         buffers, tell ``Join`` this rank trains, move and cast the inputs."""
         if not self._lazy_init_ran:
             self._lazy_init()
+        python_reducer.refuse_compiled_autograd_without_it(self)
         if self.reducer is None:  # every parameter delayed: none of DDP's bookkeeping
             return inputs, kwargs
         trace = self.reducer.trace

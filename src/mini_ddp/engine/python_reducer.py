@@ -21,6 +21,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from mini_ddp.engine.buckets import DEFAULT_BUCKET_CAP_MB
+from mini_ddp.errors import MiniDDPError
 
 
 def requested() -> bool:
@@ -31,6 +32,21 @@ def requested() -> bool:
     """
     dynamo = sys.modules.get("torch._dynamo")
     return dynamo is not None and dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
+
+
+def refuse_compiled_autograd_without_it(model: Any) -> None:
+    """Before a forward on mini_ddp's own reducer: refuse compiled autograd (its hooks cannot
+    run inside a compiled backward; the step's gradients would stay local)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and dynamo.config.compiled_autograd:
+        rank = torch.distributed.get_rank(model.process_group)
+        raise MiniDDPError(
+            f"mini_ddp: torch._dynamo.config.compiled_autograd is on (rank {rank}), but "
+            "DataParallelModel was built without torch DDP's python reducer: its own reducer's "
+            "gradient hooks cannot run inside a compiled backward, and the gradients would not "
+            "be averaged. Set torch._dynamo.config.optimize_ddp = \"python_reducer\" before "
+            "building the model (as torch DDP requires for compiled autograd; see "
+            "docs/compile.md), or turn compiled_autograd off.")
 
 
 def configure_inductor(bucket_cap_mb: float | None) -> None:
