@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch/torchvision pinned to the builds this machine serves; pyproject declares ranges.
 	$(PY) -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-	$(PY) -m pip install -q -e ".[test]"
+	# The integrations extra: Lightning, Accelerate and Transformers, for their tests.
+	$(PY) -m pip install -q -e ".[test,integrations]" "torch==2.14.1" "torchvision==0.29.1"
 	touch $(STAMP)
 
 setup: $(STAMP)

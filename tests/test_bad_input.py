@@ -196,7 +196,7 @@ STEP = {
     "two forwards, find_unused": ("MarkedTwiceError", ["only once", "'left.", "rank {r}"]),
     "no_sync accumulation": ("ok", []),
     "short hook result": ("ValueError", ["_short_result_hook", "shape [", "expected ["]),
-    "hook returns a tensor": ("TypeError", ["_not_a_future_hook", "Future", "Tensor"]),
+    "hook returns a tensor": ("RuntimeError", ["_not_a_future_hook", "Future", "Tensor"]),
     "hook with one argument": ("TypeError", ["two arguments"]),
     "forward twice, one backward == torch DDP": ("ok", []),
 }

@@ -272,7 +272,7 @@ INVALID: dict[str, tuple[Any, type, list[str]]] = {
     "not callable": (42, TypeError, ["must be callable", "42"]),
     "one argument": (_one_arg, TypeError, ["_one_arg", "two arguments", "(bucket)"]),
     "bucket annotation": (_bad_annotation, ValueError, ["_bad_annotation", "dist.GradBucket"]),
-    "returns a tensor": (_returns_tensor, TypeError,
+    "returns a tensor": (_returns_tensor, RuntimeError,
                          ["_returns_tensor", "torch.futures.Future", "bucket 0", "Tensor"]),
     "wrong shape": (_short_result, ValueError, ["_short_result", "bucket 0", "[240]", "[241]"]),
     "future holds a list": (_raw_allreduce_future, TypeError,

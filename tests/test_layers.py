@@ -3,7 +3,8 @@ and no module uses another module's ``_private`` names.
 
 Layers, lowest first (a module may import its own layer and the ones below)::
 
-    errors  <  transport  <  engine, ladder  <  observe  <  training  <  tools  <  mini_ddp/__init__
+    errors  <  transport  <  engine, ladder  <  observe  <  training  <  tools  <  integrations
+            <  mini_ddp/__init__
 
 Every ``import`` counts, including those inside functions: a lazy import hides a cycle from
 Python, not from a reader.
@@ -19,8 +20,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mini_ddp"
 
 LAYER_RANK = {"errors": 0, "transport": 1, "engine": 2, "ladder": 2, "observe": 3,
-              "training": 4, "tools": 5}
-TOP_RANK = 6  # mini_ddp/__init__.py and __main__.py re-export and dispatch
+              "training": 4, "tools": 5, "integrations": 6}
+TOP_RANK = 7  # mini_ddp/__init__.py and __main__.py re-export and dispatch
 
 
 def module_name(path: Path) -> str:

@@ -4,7 +4,7 @@ Read in this order: :mod:`.model` (the ``DistributedDataParallel`` stand-in: sta
 broadcast, forward bookkeeping, ``no_sync``; its other faces are the mixins
 :mod:`.comm_hook_registration`, :mod:`.ddp_private_api` and :mod:`.joinable`, its outputs pass
 :mod:`.output_sink`), :mod:`.reducer` (hooks, buckets counted down, launches in order, the one
-wait), :mod:`.buckets` (DDP's bucket assignment and flat buffers), :mod:`.hooks` (the comm-hook
+wait; torch's reducer methods by name in :mod:`.torch_reducer_api`), :mod:`.buckets` (DDP's bucket assignment and flat buffers), :mod:`.hooks` (the comm-hook
 door; registration checks in :mod:`.hook_checks`, the Gloo wrapper in :mod:`.gloo_safe`),
 :mod:`.writeback` (results back into ``.grad``).
 The reducer's state: :mod:`.reducer_state` (its base class), :mod:`.step_state`,

@@ -120,9 +120,12 @@ def launch_hook(hook: CommHook | None, state: object, group: dist.ProcessGroup |
     # torch._C.Future, not torch.futures.Future: ``fut.then(...)`` (torch's own
     # allreduce_hook) returns the C++ base class, which DDP accepts.
     if not isinstance(future, torch._C.Future):
-        raise TypeError(f"mini_ddp: communication hook {hook_name(hook)} must return a "
-                        f"torch.futures.Future; for bucket {bucket.index()} it returned a "
-                        f"{type(future).__name__}")
+        # torch's RuntimeError and sentence; ours names the hook and the bucket.
+        kind = f"{type(future).__module__}.{type(future).__qualname__}"
+        raise RuntimeError(f"DDP communication hook's callback must return a "
+                           f"torch.futures.Future object, but got {kind} (mini_ddp: "
+                           f"communication hook {hook_name(hook)} returned it for bucket "
+                           f"{bucket.index()})")
     return future
 
 

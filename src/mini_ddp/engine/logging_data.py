@@ -2,14 +2,16 @@
 
 torch DDP's C++ logger fills a dict of strings and integers: construction arguments, the
 bucket layout, the environment, and sampled runtime statistics. We produce the same keys with
-the same meanings and types wherever a model-level Python implementation knows the answer.
-Keys we cannot know are left out rather than faked: the backward compute / communication /
-overlap timings and ``prev_iteration_grad_ready_order_indices`` (they need timestamps and the
-ready order from inside the reducer's hooks and collectives). Times are integers in
-nanoseconds, as torch's.
+the same meanings and types wherever a Python implementation knows the answer, including the
+runtime timings torch's CPU timer takes: five host-side timestamps per sampled iteration
+(forward start; backward compute start, when the reducer is armed; the first bucket's launch;
+backward compute end, when the end-of-backward callback starts; its end, once every bucket is
+written back), the four durations between them and their running averages — integers in
+nanoseconds, as torch's — and ``prev_iteration_grad_ready_order_indices``.
 
 Runtime statistics are sampled like DDP's: the first ten iterations, then one iteration in
-``sample_rate`` (100 unless ``_set_ddp_runtime_logging_sample_rate`` says otherwise).
+``sample_rate`` (100 unless ``_set_ddp_runtime_logging_sample_rate`` says otherwise); like
+torch's logger, an iteration's statistics are published when the next forward starts.
 """
 
 from __future__ import annotations
@@ -38,17 +40,33 @@ _ENV_KEYS = {"master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT",
              "gloo_device_transport": "GLOO_DEVICE_TRANSPORT"}
 
 
+# torch's timer events (their logging-data key) and the durations measured between them.
+FORWARD_START = "forward_compute_time_start"
+BACKWARD_COMPUTE_START = "backward_compute_time_start"
+BACKWARD_COMM_START = "backward_comm_time_start"
+BACKWARD_COMPUTE_END = "backward_compute_time_end"
+BACKWARD_COMM_END = "backward_comm_time_end"
+EVENTS = (FORWARD_START, BACKWARD_COMPUTE_START, BACKWARD_COMM_START, BACKWARD_COMPUTE_END,
+          BACKWARD_COMM_END)
+DURATIONS = {"forward_compute_time": (FORWARD_START, BACKWARD_COMPUTE_START),
+             "backward_compute_time": (BACKWARD_COMPUTE_START, BACKWARD_COMPUTE_END),
+             "backward_comm_time": (BACKWARD_COMM_START, BACKWARD_COMM_END),
+             "backward_compute_comm_overlap_time": (BACKWARD_COMM_START,
+                                                    BACKWARD_COMPUTE_END)}
+
+
 @dataclass
 class RuntimeLog:
     """Per-model runtime statistics and the last error, as DDP's logger keeps them."""
 
     sample_rate: int = DEFAULT_SAMPLE_RATE
     iteration: int = 0
-    forward_ns: int = 0
-    forward_total_ns: int = 0
     samples: int = 0
     error: str | None = None
-    _forward_start: int | None = field(default=None, repr=False)
+    stats: dict[str, int] = field(default_factory=dict)  # published ints (times, averages)
+    ready_order: str | None = None  # the published iteration's gradient-ready order
+    _events: dict[str, int] = field(default_factory=dict, repr=False)
+    _recording: bool = field(default=False, repr=False)
 
     def set_sample_rate(self, sample_rate: int) -> None:
         """``_set_ddp_runtime_logging_sample_rate``: same check and message as DDP."""
@@ -59,19 +77,40 @@ class RuntimeLog:
     def sampled(self, iteration: int) -> bool:
         return iteration <= ALWAYS_SAMPLED or iteration % self.sample_rate == 0
 
-    def forward_started(self, iteration: int) -> None:
-        """Called as a synced forward starts; ``iteration`` counts the forwards before it."""
-        self._forward_start = time.perf_counter_ns() if self.sampled(iteration + 1) else None
+    def forward_started(self, iteration: int, ready_order: list[int]) -> None:
+        """Called as a synced forward starts; ``iteration`` counts the forwards before it,
+        ``ready_order`` is the order in which the last backward's gradients arrived."""
         if iteration > 0 and self.sampled(iteration):
-            self.iteration = iteration  # DDP reports the last iteration it sampled
+            self._publish(iteration, ready_order)
+        self._recording = self.sampled(iteration + 1)
+        self._events = {}
+        self.mark(FORWARD_START)
 
-    def forward_finished(self) -> None:
-        if self._forward_start is None:
-            return
-        self.forward_ns = time.perf_counter_ns() - self._forward_start
-        self.forward_total_ns += self.forward_ns
+    def mark(self, event: str) -> None:
+        """Timestamp ``event`` (one of :data:`EVENTS`) in a sampled iteration, the first time."""
+        if self._recording and event not in self._events:
+            self._events[event] = time.time_ns()  # host-side Unix time, as torch's CPU timer
+
+    def _publish(self, iteration: int, ready_order: list[int]) -> None:
+        """torch's ``set_runtime_stats_and_log``: the sampled iteration's times become the
+        reported ones, and the running averages take them in."""
         self.samples += 1
-        self._forward_start = None
+        self.iteration = iteration  # DDP reports the last iteration it sampled
+        if ready_order:
+            self.ready_order = ", ".join(map(str, ready_order))
+        events = self._events
+        for name in (*DURATIONS, *EVENTS):
+            self.stats[name] = 0  # torch resets them, then sets what was measured
+        for name, (start, end) in DURATIONS.items():
+            self.stats.setdefault(f"avg_{name}", 0)
+            if start in events and end in events:
+                took = events[end] - events[start]
+                self.stats[name] = took
+                avg = self.stats[f"avg_{name}"]
+                self.stats[f"avg_{name}"] = (took + avg * (self.samples - 1)) // self.samples
+        for name in EVENTS:
+            if name in events:
+                self.stats[name] = events[name]
 
     def record_error(self, err: BaseException) -> None:
         self.error = str(err)
@@ -137,8 +176,9 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
         ints["has_rebuilt_buckets"] = int(reducer.has_rebuilt)
         ints["num_buckets_reduced"] = len(reducer.buckets)
         ints["unused_parameter_size"] = _nbytes(params, _unused(reducer))
-        ints["forward_compute_time"] = log.forward_ns
-        ints["avg_forward_compute_time"] = log.forward_total_ns // max(log.samples, 1)
+        ints.update(log.stats)
+        if log.ready_order is not None:
+            strs["prev_iteration_grad_ready_order_indices"] = log.ready_order
     return {**strs, **ints}
 
 

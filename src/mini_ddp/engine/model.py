@@ -232,6 +232,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         unpickling, and when ``_set_static_graph`` changes how it must work."""
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
                                self.process_group, self.config, self.transport)
+        self.reducer.runtime_log = self._runtime_log
         self.stall_monitor = None if self.config.stall_warning_s is None else StallMonitor(
             self.reducer, self.process_group, self.config.stall_warning_s).install()
         self._delay_all_reduce_enqueued = False
@@ -297,7 +298,8 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
-            self._runtime_log.forward_started(self.reducer.num_iterations)
+            self._runtime_log.forward_started(self.reducer.num_iterations,
+                                              self.reducer.step.ready_order)
             self.reducer.prepare_for_forward()
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
         if grad_enabled:
@@ -344,7 +346,8 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             self.delayed.point_grads_at_buffer()
             return output
         self.reducer.forward_running(False)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if synced:
             self.require_forward_param_sync = True
             search = self.find_unused_parameters and not self.static_graph
             self.reducer.prepare_for_backward(find_tensors(output) if search else [])
@@ -352,12 +355,13 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             self.require_forward_param_sync = False
             if torch.is_grad_enabled():  # no_sync(): this forward's backward is local by design
                 self.reducer.local_backward_follows()
+        # A static graph's first synced backward reduces once all its hooks have run; a
+        # no_sync() forward before it stays local (see StepState.begin_backward).
         if (self.find_unused_parameters and not self.static_graph) or (
-                self.static_graph and not self._delay_all_reduce_enqueued):
+                self.static_graph and not self._delay_all_reduce_enqueued and synced):
             output = through_sink(output, self._on_outputs_backward, clone=self._ddp_sink_clone)
         if self.delayed is not None:
             self.delayed.point_grads_at_buffer()
-        self._runtime_log.forward_finished()
         if self.reducer.trace is not None:
             self.reducer.trace.record("forward_end")
         return output

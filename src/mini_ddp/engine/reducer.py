@@ -48,8 +48,15 @@ from mini_ddp.engine.bucket_wait import wait_for_collective
 from mini_ddp.engine.config import DataParallelConfig
 from mini_ddp.engine.grad_routing import flush_if_batched, grad_into_bucket, skipped
 from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook, result_tensor
+from mini_ddp.engine.logging_data import (
+    BACKWARD_COMM_END,
+    BACKWARD_COMM_START,
+    BACKWARD_COMPUTE_END,
+    BACKWARD_COMPUTE_START,
+)
 from mini_ddp.engine.reducer_state import ReducerState
 from mini_ddp.engine.sparse import sparse_write_back
+from mini_ddp.engine.torch_reducer_api import TorchReducerAPI, outputs_list
 from mini_ddp.errors import GradSyncTimeout, MarkedTwiceError, describe_bucket, naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
 
@@ -59,8 +66,11 @@ def _grad_accumulator(param: torch.Tensor) -> Any:
     return param.view_as(param).grad_fn.next_functions[0][0]
 
 
-class Reducer(ReducerState):
-    """Hooks and the hook -> bucket -> launch -> wait -> write-back path of one model."""
+class Reducer(TorchReducerAPI, ReducerState):
+    """Hooks and the hook -> bucket -> launch -> wait -> write-back path of one model.
+
+    Answers torch's reducer methods by name too (:mod:`mini_ddp.engine.torch_reducer_api`).
+    """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
@@ -84,8 +94,13 @@ class Reducer(ReducerState):
         self.ensure_prior_reduction_finished()
         return self.layout.rebuild_if_needed()
 
-    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Arm the hooks for the backward of this forward's ``outputs``."""
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | torch.Tensor) -> None:
+        """Arm the hooks for the backward of this forward's ``outputs`` (a tensor or a list
+        of them, as torch's reducer takes; the model calls it after forward, frameworks call
+        it for a backward that runs inside the forward)."""
+        outputs = outputs_list(outputs)
+        if self.runtime_log is not None:
+            self.runtime_log.mark(BACKWARD_COMPUTE_START)
         self.step.arm(self.config.static_graph)
         # The rebuild happens before forward, so this holds for the whole backward.
         self.step.records_order = self.layout.should_rebuild()
@@ -111,8 +126,8 @@ class Reducer(ReducerState):
         with self._lock:
             # DDP's autograd_hook does this in *every* backward, synced or not: a parameter used
             # only inside no_sync() still counts as used at the synced step (its accumulated
-            # grad is then averaged, not left local), and a static graph's first backward is
-            # counted even when its forward ran under no_sync().
+            # grad is then averaged, not left local). A static graph's no_sync() backwards
+            # before its first synced one are not counted (StepState.begin_backward).
             if not step.backward_counted:
                 step.begin_backward(self.config.static_graph, self.unused_search.dynamic)
             if step.tracks_used and self.params[index].grad is not None:
@@ -131,6 +146,7 @@ class Reducer(ReducerState):
                 return  # no_sync(), or a backward DDP was not asked to synchronise
             if self.trace is not None:
                 self.trace.record("hook", param=index)
+            step.ready_order.append(index)  # the logging data's ready order, as torch's
             if not step.marked_unused:
                 step.marked_unused = True
                 if self.zero_copy:
@@ -189,9 +205,16 @@ class Reducer(ReducerState):
         grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.buckets))
         if self.trace is not None:
             self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
+        if self.runtime_log is not None:
+            self.runtime_log.mark(BACKWARD_COMM_START)  # the first launch of the step
         if self.comm_hook is not None:  # a user hook's errors are its own: no naming
-            bucket.future = launch_hook(self.comm_hook, self.comm_hook_state, self.group,
-                                        grad_bucket)
+            try:
+                bucket.future = launch_hook(self.comm_hook, self.comm_hook_state, self.group,
+                                            grad_bucket)
+            except RuntimeError as err:  # e.g. no future returned: logged, as torch logs it
+                if self.runtime_log is not None:
+                    self.runtime_log.record_error(err)
+                raise
         else:
             with naming_collective(self.rank, lambda: self._describe(bucket)):
                 bucket.future = self.transport.all_reduce(bucket.buffer) \
@@ -252,6 +275,8 @@ class Reducer(ReducerState):
         with self._lock:
             if self.trace is not None:
                 self.trace.record("finalize_start")  # backward's compute has ended
+            if self.runtime_log is not None:
+                self.runtime_log.mark(BACKWARD_COMPUTE_END)
             self.step.finish()
             if self.config.static_graph and self.step.num_backward_calls > 1 \
                     and self.layout.should_rebuild():
@@ -274,6 +299,8 @@ class Reducer(ReducerState):
                                             as_bucket_view=self.config.gradient_as_bucket_view,
                                             skip=skip)
             self.unused_search.finish(self.wait)
+            if self.runtime_log is not None:
+                self.runtime_log.mark(BACKWARD_COMM_END)
             if self.trace is not None:
                 self.trace.record("finalized")
 

@@ -48,6 +48,7 @@ class StepState:
     marked_unused: bool = False      # this backward's unused parameters were marked ready
     next_bucket: int = 0             # the next bucket to launch (launches are in order)
     ready: set[int] = field(default_factory=set)  # parameters marked ready this iteration
+    ready_order: list[int] = field(default_factory=list)  # hooks' order, for the logging data
     static_hook_counts: list[int] = field(default_factory=list)  # hooks per param, iteration 1
     static_hooks_left: list[int] = field(default_factory=list)
 
@@ -58,6 +59,13 @@ class StepState:
     def begin_backward(self, static_graph: bool, dynamic_unused: bool) -> None:
         """First hook of a backward: count it, and settle what its other hooks will ask."""
         self.backward_counted = True
+        if static_graph and not self.expect_hooks and self.num_backward_calls == 0:
+            # A local backward (no_sync()) before a static graph's first synchronised one is
+            # not its "iteration 1": its gradients stay local, and the first synchronised
+            # backward then counts the hooks and reduces everything accumulated (torch DDP
+            # fails an internal assert here).
+            self.static_first = self.tracks_used = False
+            return
         self.num_backward_calls += 1
         # Counted in backward passes, as DDP does since 2.1: two forwards may precede one
         # backward, and that backward is still "iteration 1".
@@ -82,12 +90,14 @@ class StepState:
     def arm(self, static_graph: bool) -> None:
         """Before a synced backward: expect hooks, nothing ready, nothing launched."""
         self.expect_hooks = True
+        self.backward_counted = False  # the armed backward is a new one, even after no_sync
         self.synced_this_step = False
         self.next_bucket = 0
         if static_graph:
             self.static_hooks_left = list(self.static_hook_counts)
         self.marked_unused = False
         self.ready.clear()
+        self.ready_order.clear()  # torch clears its grad_ready_order_indices_ here too
 
     def finish(self) -> None:
         """A synced backward has finished (its gradients are being written back)."""

@@ -12,6 +12,7 @@ DDP's ``search_unused_parameters`` and its ``local_used_map`` / ``global_used_ma
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,16 @@ import torch.distributed as dist
 
 from mini_ddp.engine.config import DataParallelConfig
 from mini_ddp.errors import naming_collective
+
+# torch's reducer warns once per process, in these words, when the search finds nothing unused.
+NOTHING_UNUSED = (
+    "find_unused_parameters=True was specified in DDP constructor, but did not find any unused "
+    "parameters in the forward pass. This flag results in an extra traversal of the autograd "
+    "graph every iteration,  which can adversely affect performance. If your model indeed "
+    "never has any unused parameters in the forward pass, consider turning this flag off. Note "
+    "that this warning may be a false positive if your model has flow control causing later "
+    "iterations to have unused parameters.")
+_warned_nothing_unused = False
 
 Wait = Callable[[torch.futures.Future, Any], Any]
 """The reducer's bounded wait: ``wait(future, bucket_or_None)``."""
@@ -54,8 +65,13 @@ class UnusedSearch:
         self._future: torch.futures.Future | None = None
 
     def search(self, accumulators: Sequence[Any], outputs: Sequence[torch.Tensor]) -> None:
-        """Before a backward: find the parameters ``outputs`` cannot reach."""
+        """Before a backward: find the parameters ``outputs`` cannot reach (warning once per
+        process, as torch, when there are none)."""
+        global _warned_nothing_unused
         self.unused = unreachable_params(accumulators, outputs)
+        if not self.unused and not _warned_nothing_unused:
+            _warned_nothing_unused = True
+            warnings.warn(NOTHING_UNUSED, UserWarning, stacklevel=2)
 
     def mark_used(self, index: int) -> None:
         """Parameter ``index`` received a gradient in this backward."""

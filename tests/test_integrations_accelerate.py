@@ -1,0 +1,56 @@
+"""Hugging Face Accelerate with ``use_mini_ddp()``: bitwise torch DDP.
+
+The same loop runs twice in the same two processes (torchrun, ``Accelerator(cpu=True)``):
+``accelerator.prepare`` as is (torch DDP), then inside ``with use_mini_ddp():`` (mini_ddp).
+It uses ``accumulate`` (``no_sync`` on the micro-batches between optimizer steps),
+``clip_grad_norm_``, ``save_state``, a restart (new ``Accelerator``, model, optimizer) with
+``load_state``, two forwards under ``no_sync`` whose second backward is synchronised by
+``trigger_sync_in_backward`` (Accelerate arms ``model.reducer.prepare_for_backward([])``),
+``unwrap_model`` and ``get_state_dict``. The loop is in
+tests/helpers/accelerate_run.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+HELPER = Path(__file__).resolve().parent / "helpers" / "accelerate_run.py"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("accelerate")
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(HELPER), str(out_dir)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_trains_bitwise_as_torch_ddp(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["wrapped_by"] == "DataParallelModel" and r["is DDP"] is True, r
+        assert r["torch wrapped_by"] == "DistributedDataParallel", r
+        assert r["changed"] is True and r["resumed"] is True, r
+        assert r["same"] is True, r  # torch.equal on every final parameter
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_unwraps_and_saves_without_prefix(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["unwrapped"] is True
+        assert r["state_dict keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert r["rebinding restored"] is True  # torch's class is back after the context
