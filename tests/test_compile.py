@@ -125,7 +125,7 @@ def _spy_on_ddp_optimizer() -> list[tuple[int, int]]:
 
 
 def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: str,
-           steps: int, rank: int, calls: list) -> dict[str, Any]:
+           steps: int, rank: int, calls: list, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Compile and train one engine on a copy of ``base``; what it did, step by step."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -136,9 +136,9 @@ def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: 
     _, make_batch, loss_fn = MODELS[model_name]
     module = copy.deepcopy(base)
     if order == "outer":  # torch.compile(DDP(m))
-        model = torch.compile(engine(module), backend=backend)
+        model = torch.compile(engine(module, **kwargs), backend=backend)
     else:  # DDP(torch.compile(m))
-        model = engine(torch.compile(module, backend=backend))
+        model = engine(torch.compile(module, backend=backend), **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1000 + rank)
     grads = []
@@ -154,23 +154,25 @@ def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: 
             "ddp_optimizer": list(calls)}
 
 
-def _compare(ctx, cases: list[tuple[str, str, str]], steps: int) -> list[dict[str, Any]]:
-    """Per (model, backend, order): torch DDP's run and ours, compared on this rank."""
+def _compare(ctx, cases: list[tuple], steps: int) -> list[dict[str, Any]]:
+    """Per (model, backend, order[, DDP keywords]): torch DDP's run and ours, compared on this
+    rank."""
     calls = _spy_on_ddp_optimizer()
     out = []
-    for model_name, backend, order in cases:
+    for model_name, backend, order, *keywords in cases:
+        kwargs = keywords[0] if keywords else {}
         torch.manual_seed(ctx.rank)  # a different model per rank: the start-up broadcast counts
         base = MODELS[model_name][0]()
-        ddp = _train(DDP, model_name, base, backend, order, steps, ctx.rank, calls)
+        ddp = _train(DDP, model_name, base, backend, order, steps, ctx.rank, calls, kwargs)
         mini = _train(DataParallelModel, model_name, base, backend, order, steps, ctx.rank,
-                      calls)
+                      calls, kwargs)
         grads_equal = [all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True))
                        for ga, gb in zip(ddp["grads"], mini["grads"], strict=True)]
         params_equal = all(torch.equal(a, b) for a, b in
                            zip(ddp["params"], mini["params"], strict=True))
         max_diff = max((a - b).abs().max().item() for a, b in
                        zip(ddp["params"], mini["params"], strict=True))
-        out.append({"case": (model_name, backend, order), "grads_equal": grads_equal,
+        out.append({"case": (model_name, backend, order, kwargs), "grads_equal": grads_equal,
                     "params_equal": params_equal, "max_param_diff": max_diff,
                     **{f"{k}_{name}": run[k] for name, run in (("ddp", ddp), ("mini", mini))
                        for k in ("graph_breaks", "break_reasons", "ddp_optimizer")}})
@@ -208,6 +210,14 @@ def test_aot_eager_bitwise_equal_to_torch_ddp_both_orders(world_size):
     cases = [(name, "aot_eager", order) for name in ("mlp", "transformer", "cnn")
              for order in ("outer", "inner")]
     _check_bitwise(run_ranks(_compare, world_size, (cases, 4), timeout_s=280))
+
+
+@pytest.mark.timeout(300)
+def test_ddp_keywords_under_compile_bitwise_equal_to_torch_ddp():
+    cases = [("mlp", "aot_eager", "outer", kwargs) for kwargs in (
+        {"find_unused_parameters": True}, {"static_graph": True},
+        {"gradient_as_bucket_view": True}, {"bucket_cap_mb": 1})]
+    _check_bitwise(run_ranks(_compare, 3, (cases, 4), timeout_s=280))
 
 
 @pytest.mark.slow
