@@ -19,6 +19,7 @@ graph-break count also covers torchvision's ResNet-18 under ``aot_eager``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -87,6 +88,14 @@ def _small_image_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 10, (4,), generator=gen)
 
 
+class MLPWithUnusedLayer(WideMLP):
+    """The MLP and a layer its forward never uses (``find_unused_parameters`` must mark it)."""
+
+    def __init__(self):
+        super().__init__(64)
+        self.unused = nn.Linear(5, 5)
+
+
 def _mse_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 12, generator=gen), torch.randn(8, 5, generator=gen)
 
@@ -105,6 +114,7 @@ MODELS = {  # builder, batch, loss
                     lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())),
     "resnet18": (resnet18_cifar, _image_batch, F.cross_entropy),
     "cnn": (BatchNormCNN, _small_image_batch, F.cross_entropy),
+    "mlp_unused": (MLPWithUnusedLayer, _mse_batch, F.mse_loss),
 }
 
 
@@ -134,6 +144,8 @@ def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: 
     counters.clear()
     calls.clear()
     _, make_batch, loss_fn = MODELS[model_name]
+    kwargs = dict(kwargs)
+    accumulate = kwargs.pop("no_sync_every_other", False)
     module = copy.deepcopy(base)
     if order == "outer":  # torch.compile(DDP(m))
         model = torch.compile(engine(module, **kwargs), backend=backend)
@@ -142,12 +154,17 @@ def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1000 + rank)
     grads = []
-    for _ in range(steps):
+    for step in range(steps):
+        # no_sync_every_other: even steps accumulate locally, odd ones synchronise the sum.
+        local = accumulate and step % 2 == 0
         x, y = make_batch(gen)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
+        if not (accumulate and step % 2 == 1):
+            opt.zero_grad()
+        with model.no_sync() if local else contextlib.nullcontext():
+            loss_fn(model(x), y).backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        if not local:
+            opt.step()
     return {"grads": grads, "params": [p.detach().clone() for p in model.parameters()],
             "graph_breaks": sum(counters["graph_break"].values()),
             "break_reasons": sorted(k.splitlines()[0] for k in counters["graph_break"]),
@@ -166,7 +183,9 @@ def _compare(ctx, cases: list[tuple], steps: int) -> list[dict[str, Any]]:
         ddp = _train(DDP, model_name, base, backend, order, steps, ctx.rank, calls, kwargs)
         mini = _train(DataParallelModel, model_name, base, backend, order, steps, ctx.rank,
                       calls, kwargs)
-        grads_equal = [all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True))
+        grads_equal = [all(a is b is None or (a is not None and b is not None
+                                              and torch.equal(a, b))
+                           for a, b in zip(ga, gb, strict=True))
                        for ga, gb in zip(ddp["grads"], mini["grads"], strict=True)]
         params_equal = all(torch.equal(a, b) for a, b in
                            zip(ddp["params"], mini["params"], strict=True))
@@ -216,7 +235,9 @@ def test_aot_eager_bitwise_equal_to_torch_ddp_both_orders(world_size):
 def test_ddp_keywords_under_compile_bitwise_equal_to_torch_ddp():
     cases = [("mlp", "aot_eager", "outer", kwargs) for kwargs in (
         {"find_unused_parameters": True}, {"static_graph": True},
-        {"gradient_as_bucket_view": True}, {"bucket_cap_mb": 1})]
+        {"gradient_as_bucket_view": True}, {"bucket_cap_mb": 1},
+        {"no_sync_every_other": True})]
+    cases.append(("mlp_unused", "aot_eager", "outer", {"find_unused_parameters": True}))
     _check_bitwise(run_ranks(_compare, 3, (cases, 4), timeout_s=280))
 
 
