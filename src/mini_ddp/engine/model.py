@@ -30,7 +30,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from mini_ddp.engine import construction, pickling
+from mini_ddp.engine import construction, pickling, python_reducer
 from mini_ddp.engine import join as joining
 from mini_ddp.engine.comm import (
     BROADCAST_BUCKET_BYTES,
@@ -131,7 +131,10 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._lazy_init_ran = False
-        self._use_python_reducer = False
+        # torch DDP's compiled-autograd mode (optimize_ddp="python_reducer"), decided at
+        # construction as torch decides it: see mini_ddp.engine.python_reducer.
+        self._use_python_reducer = python_reducer.requested()
+        self._accum_grad_hooks: list = []
         self._ddp_sink_clone = True
         self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
         if not (dist.is_available() and dist.is_initialized()):
@@ -191,6 +194,8 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             shared_memory_allreduce=shared_memory_allreduce,
             shared_memory_min_bytes=shared_memory_min_bytes)
         self.config.resolve_sync_timeout(self.process_group)  # None: the group's timeout
+        # torch DDP's attribute: torch.compile's DDPOptimizer splits graphs at this many bytes.
+        self.bucket_bytes_cap = self.config.bucket_bytes_cap
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -205,6 +210,10 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)
         self._attach_reducer(named)
+        if self._use_python_reducer:  # our reducer's hooks go: torch's C++ ones do nothing
+            self.reducer.remove_autograd_hooks()
+            python_reducer.configure_inductor(bucket_cap_mb)
+            self._accum_grad_hooks = python_reducer.register_hooks(self, [p for _, p in named])
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:  # torch's sequence: see mini_ddp.engine.mixed_precision
             logger.warning("Received mixed precision config %s", mixed_precision)
@@ -261,16 +270,27 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
 
         Split as torch DDP splits it (``_pre_forward``, ``_run_ddp_forward``, ``_post_forward``):
         code written against DDP (``torch.distributed._composable.replicate``, compilers) calls
-        the three steps by name.
+        the three steps by name. Under ``torch.compile`` only the module runs compiled.
         """
+        if self._use_python_reducer:  # torch DDP's three steps do nothing (dynamo traces it)
+            return self.module(*inputs, **kwargs)
+        return self._forward_with_bookkeeping(*inputs, **kwargs)
+
+    # torch.compile: dynamo runs this frame and the bookkeeping around the module eagerly
+    # (torch DDP's forward graph-breaks at its own) and compiles only the module's frame, as
+    # DDP's active module. torch's lazy decorator: dynamo is imported at the first call.
+    @torch._disable_dynamo(recursive=False)
+    def _forward_with_bookkeeping(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
         return self._post_forward(self._run_ddp_forward(*inputs, **kwargs))
 
+    @torch._disable_dynamo
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[tuple, dict]:
         """Before the module runs: count the iteration, rebuild buckets once, broadcast
         buffers, tell ``Join`` this rank trains, move and cast the inputs."""
         if not self._lazy_init_ran:
             self._lazy_init()
+        python_reducer.refuse_compiled_autograd_without_it(self)
         if self.reducer is None:  # every parameter delayed: none of DDP's bookkeeping
             return inputs, kwargs
         trace = self.reducer.trace
@@ -302,10 +322,23 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         self.reducer.forward_running(grad_enabled and self.require_backward_grad_sync)
         return inputs, kwargs
 
+    @torch._disable_dynamo(recursive=False)  # only the module's own frame is compiled
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The wrapped module's forward."""
-        return self.module(*inputs, **kwargs)
+        """The wrapped module's forward, as torch DDP's: while this model is DDP's active
+        module, so ``torch.compile`` splits the module's graph at ``bucket_bytes_cap``
+        boundaries (its DDPOptimizer) and gradients become ready in torch DDP's order."""
+        if self.reducer is None:  # torch DDP runs this case outside _inside_ddp_forward too
+            return self.module(*inputs, **kwargs)
+        # What torch DDP's _inside_ddp_forward() does (saved and restored: DDPs may nest),
+        # without its context manager, whose contextlib frames dynamo would trace and break in.
+        previous = DistributedDataParallel._active_ddp_module
+        DistributedDataParallel._active_ddp_module = self
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            DistributedDataParallel._active_ddp_module = previous
 
+    @torch._disable_dynamo
     def _post_forward(self, output: Any) -> Any:
         """After the module ran: arm the reducer for this forward's backward (with the
         unused-parameter search's outputs), route outputs through the sink when needed."""

@@ -8,7 +8,9 @@ of *paired* per-block ratios. A block's time is the median step of its slowest r
 wall time each step's process CPU time (all threads) is kept: it measures work done, and
 suffers less from a busy machine. Memory is measured afterwards, each engine alone: peak RSS
 growth while it is built and runs a few steps, and its tensor bytes (params, grads, buckets).
-Nothing here asserts a time: the benchmark reports.
+Nothing here asserts a time: the benchmark reports. ``--compile`` adds ``torch.compile``'d
+torch DDP and mini_ddp (compiled in the warm-up steps, never timed), reported as the ratio of
+compiled mini_ddp to compiled torch DDP.
 
 Usage: ``python -m mini_ddp bench --json bench.json --plot docs/img/bench_sweep.png``
 """
@@ -30,6 +32,7 @@ from mini_ddp.engine.buckets import MIB
 from mini_ddp.tools.bench_models import (
     ABLATIONS,
     BENCH_BATCH,
+    COMPILED,
     ENGINES,
     build_engine,
     memory_report,
@@ -77,8 +80,12 @@ def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]], malloc: str
         base = spec.builder()
         g = torch.Generator().manual_seed(1000 + ctx.rank)
         batches = [spec.make_batch(batch, g) for _ in range(2)]
-        engines = {n: build_engine(n, base, job["cap"], job["gabv"], spec.loss)
-                   for n in job["engines"]}
+        if job["compiled"] and isinstance(base, torch.nn.Sequential):
+            logger.warning("bench: %s is an nn.Sequential, which torch.compile of a DDP leaves "
+                           "eager: its compiled rows time eager engines", job["model"])
+        engines = {n: build_engine(n, base, job["cap"], job["gabv"], spec.loss,
+                                   job["compile_backend"])
+                   for n in job["engines"] + job["compiled"]}
         result: dict[str, Any] = {"blocks": time_blocks(engines, batches, job["steps"],
                                                         job["blocks"], job["warmup"])}
         del engines
@@ -124,6 +131,14 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, An
         out["blocks_faster_than_ddp"] = {n: sum(x < y for x, y in zip(wall[n], wall[ref],
                                                                        strict=True))
                                          for n in names}
+    if "torch_ddp_compiled" in names:  # compiled engines against compiled torch DDP
+        ref = "torch_ddp_compiled"
+        compiled = [n for n in names if n in COMPILED]
+        out["over_compiled_ddp"] = {n: paired(wall, n, ref) for n in compiled}
+        out["over_compiled_ddp_quartiles"] = {n: _quartiles([x / y for x, y in zip(
+            wall[n], wall[ref], strict=True)]) for n in compiled}
+        out["blocks_faster_than_compiled_ddp"] = {n: sum(x < y for x, y in zip(
+            wall[n], wall[ref], strict=True)) for n in compiled}
     if "compute" in names:
         out["over_compute"] = {n: paired(wall, n, "compute") for n in names}
         out["exposed_comm_ms"] = {n: out["median_ms"][n] - out["median_ms"]["compute"]
@@ -134,13 +149,14 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, An
 def _jobs(args: argparse.Namespace, world_size: int) -> list[dict[str, Any]]:
     common = {"steps": args.steps, "blocks": args.blocks, "warmup": args.warmup,
               "gabv": args.gradient_as_bucket_view, "mem_steps": args.mem_steps,
-              "mem_rounds": args.mem_rounds}
+              "mem_rounds": args.mem_rounds, "compile_backend": args.compile_backend}
     jobs = [{**common, "kind": "models", "model": m, "cap": args.bucket_cap_mb,
-             "engines": args.engines, "memory": not args.no_memory} for m in args.models]
+             "engines": args.engines, "memory": not args.no_memory,
+             "compiled": list(COMPILED) if args.compile else []} for m in args.models]
     if world_size == args.sweep_world_size:
         jobs += [{**common, "kind": "sweep", "model": args.sweep_model, "cap": cap,
                   "blocks": args.sweep_blocks, "engines": ["torch_ddp", "mini_ddp"],
-                  "memory": False} for cap in args.sweep_caps]
+                  "memory": False, "compiled": []} for cap in args.sweep_caps]
     return jobs
 
 
@@ -207,6 +223,18 @@ def format_report(report: dict[str, Any]) -> str:
     for r in report["results"]:
         lines += [_engine_row(r, e) for e in r["median_ms"]]
         lines += [_engine_row(r, e) for e in r.get("memory", {}) if e.endswith("+gabv")]
+    compiled = [r for r in report["results"] if "over_compiled_ddp" in r]
+    if compiled:
+        lines.append(f"# torch.compile (backend {report['settings']['compile_backend']}, "
+                     "compiled in the warm-up): model, ws, compiled torch DDP ms, compiled "
+                     "mini_ddp ms, mini/ddp (paired), IQR, blocks<ddp")
+        for r in compiled:
+            e = "mini_ddp_compiled"
+            quart, won = r["over_compiled_ddp_quartiles"][e], r["blocks_faster_than_compiled_ddp"][e]
+            lines.append(f"  {r['model']:<12}{r['world_size']:>3} "
+                         f"{r['median_ms']['torch_ddp_compiled']:>10.1f} "
+                         f"{r['median_ms'][e]:>10.1f} {r['over_compiled_ddp'][e]:>8.3f} "
+                         f"{quart[0]:.2f}-{quart[1]:.2f} {won:>2}/{len(r['blocks_ms'][e])}")
     if report["sweep"]:
         lines.append("# bucket-cap sweep: model, ws, cap MiB, torch DDP ms, mini_ddp ms, "
                      "mini/ddp (paired)")
@@ -266,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-world-size", type=int, default=2, help="0: no sweep")
     p.add_argument("--sweep-caps", default="0.25,1,5,25,100")
     p.add_argument("--sweep-blocks", type=int, default=6)
+    p.add_argument("--compile", action="store_true",
+                   help="also time torch.compile(torch DDP) and torch.compile(mini_ddp), "
+                   "side by side (their memory is not measured)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of --compile (inductor, aot_eager, ...)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="1 step x 3 blocks, world size 2, sweep caps 1,25: minutes, not hours")

@@ -13,7 +13,9 @@ adds only its per-rank batch size (:data:`BENCH_BATCH`):
 
 Engines (:func:`build_engine`): ``torch_ddp`` (torch's C++ reducer), ``mini_ddp``
 (:class:`mini_ddp.DataParallelModel`), ``naive`` (one blocking all-reduce per parameter after
-backward, then ``div_``) and ``compute`` (no communication: the limit). :func:`memory_report` measures each engine's
+backward, then ``div_``) and ``compute`` (no communication: the limit); with ``--compile`` also
+``torch_ddp_compiled`` and ``mini_ddp_compiled`` (:data:`COMPILED`: ``torch.compile`` of the
+wrapped model, the order torch documents for DDP). :func:`memory_report` measures each engine's
 memory alone: tensor bytes (:func:`tensor_bytes`) and peak RSS growth.
 """
 
@@ -48,6 +50,11 @@ ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False},
              "mini_ddp_gloo": {"shared_memory_allreduce": False},
              "mini_ddp_v1": {"zero_copy_write_back": False, "shared_memory_allreduce": False},
              "mini_ddp_nostall": {"stall_warning_s": None}}
+# torch.compile(engine) for the two DDPs, on request (--compile): the compiled engine's name
+# and the eager engine it wraps. Only the wrapped module's frame is compiled (torch DDP's
+# compiled path, which mini_ddp takes too) - so a model whose top level is an nn.Sequential,
+# a torch.nn frame dynamo does not compile on its own, runs eagerly under both.
+COMPILED = {"torch_ddp_compiled": "torch_ddp", "mini_ddp_compiled": "mini_ddp"}
 
 
 @dataclass
@@ -83,8 +90,13 @@ class Engine:
 
 
 def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool,
-                 loss: str = "cross_entropy") -> Engine:
-    """Wrap a deep copy of ``base`` as engine ``name`` (one of :data:`ENGINES`), with SGD."""
+                 loss: str = "cross_entropy", compile_backend: str = "inductor") -> Engine:
+    """Wrap a deep copy of ``base`` as engine ``name`` (one of :data:`ENGINES`, an ablation or
+    a :data:`COMPILED` engine, compiled with ``compile_backend``), with SGD."""
+    if name in COMPILED:
+        engine = build_engine(COMPILED[name], base, cap, gabv, loss)
+        engine.name, engine.model = name, torch.compile(engine.model, backend=compile_backend)
+        return engine
     module = copy.deepcopy(base)
     if name == "torch_ddp":
         model: nn.Module = DistributedDataParallel(module, bucket_cap_mb=cap,
@@ -95,7 +107,8 @@ def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool,
     elif name in ("naive", "compute"):
         model = module
     else:
-        raise ValueError(f"unknown engine {name!r}; choose from {ENGINES + tuple(ABLATIONS)}")
+        raise ValueError(f"unknown engine {name!r}; choose from "
+                         f"{ENGINES + tuple(ABLATIONS) + tuple(COMPILED)}")
     return Engine(name, model, torch.optim.SGD(model.parameters(), lr=1e-4), gabv, loss=loss)
 
 
