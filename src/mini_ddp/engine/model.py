@@ -212,7 +212,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         self._attach_reducer(named)
         if self._use_python_reducer:  # our reducer's hooks go: torch's C++ ones do nothing
             self.reducer.remove_autograd_hooks()
-            python_reducer.configure_inductor(bucket_cap_mb)
+            python_reducer.configure_inductor(self.config.bucket_bytes_cap)
             self._accum_grad_hooks = python_reducer.register_hooks(self, [p for _, p in named])
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:  # torch's sequence: see mini_ddp.engine.mixed_precision

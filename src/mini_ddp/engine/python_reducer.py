@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from mini_ddp.engine.buckets import DEFAULT_BUCKET_CAP_MB
+from mini_ddp.engine.buckets import MIB
 from mini_ddp.errors import MiniDDPError
 
 
@@ -49,18 +49,14 @@ def refuse_compiled_autograd_without_it(model: Any) -> None:
             "docs/compile.md), or turn compiled_autograd off.")
 
 
-def configure_inductor(bucket_cap_mb: float | None) -> None:
+def configure_inductor(bucket_bytes_cap: int) -> None:
     """What torch DDP's constructor sets in this mode: inductor fuses the traced all-reduces
-    into buckets of ``bucket_cap_mb`` (the fused layout decides Gloo's summation order).
-
-    torch DDP passes ``None`` on when the cap is left at its default, and inductor then fails
-    to compile (``TypeError`` multiplying ``None``); DDP's default cap is set instead.
-    """
+    into buckets of the cap (the fused layout decides Gloo's summation order). torch hands it
+    the cap in whole MiB (``bucket_bytes_cap // 2**20``: 25 by default, 0 below 1 MiB)."""
     import torch._inductor.config as inductor_config
 
     inductor_config._fuse_ddp_communication = True
-    inductor_config._fuse_ddp_bucket_size = (DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None
-                                             else bucket_cap_mb)
+    inductor_config._fuse_ddp_bucket_size = bucket_bytes_cap // MIB
 
 
 def _all_reduce_hook(model: Any, param: torch.Tensor) -> None:
