@@ -841,7 +841,8 @@ class OutputSink(torch.autograd.Function):
     (``set_materialize_grads(False)``): an output left out of the loss then sends *no*
     gradient into its subgraph, whose parameters' hooks still fire — marked ready with zeros
     and kept as globally unused, as in DDP. With ``static_graph`` its backward queues the
-    iteration-1 reduction, which must run after all hooks (the model's ``on_backward``).
+    iteration-1 reduction, which must run after all hooks
+    (:meth:`DataParallelModel._on_outputs_backward`).
     """
 
     @staticmethod
