@@ -1,18 +1,21 @@
 """Registering a communication hook on ``DataParallelModel``: ``register_comm_hook`` and torch
 DDP's ``_register_builtin_comm_hook``, at most one of them, once.
 
-The checks on the hook itself live in :mod:`mini_ddp.engine.hook_checks`, the Gloo wrapper in
-:mod:`mini_ddp.engine.gloo_safe`, how a hook is run in :mod:`mini_ddp.engine.hooks`; this
-mixin only guards the registration and hands the prepared hook to the reducer.
+The checks on the hook itself, the Gloo wrapper and how a hook is run live in
+:mod:`mini_ddp.engine.hooks`; this mixin only guards the registration and hands the prepared hook to the reducer.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from mini_ddp.engine.gloo_safe import prepare_comm_hook
-from mini_ddp.engine.hook_checks import builtin_comm_hook, check_comm_hook
-from mini_ddp.engine.hooks import CommHook, hook_name
+from mini_ddp.engine.hooks import (
+    CommHook,
+    builtin_comm_hook,
+    check_comm_hook,
+    hook_name,
+    prepare_comm_hook,
+)
 
 # torch's C++ reducer words it in the order of the call that comes second.
 TWO_HOOKS = "register_comm_hook or register_builtin_comm_hook can only be called once."
@@ -31,7 +34,7 @@ class CommHookRegistration:
         gradients itself: with a hook, gradients are copied into buckets unscaled.
 
         On Gloo, torch's PowerSGD and quantization hooks are wrapped in
-        :func:`mini_ddp.engine.gloo_safe.gloo_safe` (each bucket finishes before the next starts): as
+        :func:`mini_ddp.engine.hooks.gloo_safe` (each bucket finishes before the next starts): as
         they are, they deadlock there, in torch DDP too. See docs/comm_hooks.md.
         """
         self._check_comm_hook(hook)
@@ -48,7 +51,7 @@ class CommHookRegistration:
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``,
         ``FP16_COMPRESS``), run as the equivalent Python hooks of torch's ``default_hooks``
-        (same operations, same bits; see :func:`mini_ddp.engine.hook_checks.builtin_comm_hook`)."""
+        (same operations, same bits; see :func:`mini_ddp.engine.hooks.builtin_comm_hook`)."""
         self._install_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type),
                                 str(comm_hook_type), TWO_HOOKS_BUILTIN)
 

@@ -45,8 +45,8 @@ class TorchDDPPrivateAPI:
             warnings.warn("You've set static_graph to be True, no need to set it again.",
                           stacklevel=2)
             return
-        if self.reducer.num_iterations != 0:
-            err = RuntimeError(f"{STATIC_GRAPH_LATE} (mini_ddp: {self.reducer.num_iterations} "
+        if self.reducer.step.num_iterations != 0:
+            err = RuntimeError(f"{STATIC_GRAPH_LATE} (mini_ddp: {self.reducer.step.num_iterations} "
                                "iterations have run)")
             self._runtime_log.record_error(err)
             raise err
@@ -114,7 +114,7 @@ class TorchDDPPrivateAPI:
 
     def _fire_reducer_autograd_hook(self, idx: int, *unused: Any) -> None:
         """Run parameter ``idx``'s gradient hook by hand (DDP's mixed-precision path does)."""
-        self.reducer.on_grad_accumulated(idx)
+        self.reducer.autograd_hook(idx)
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """Whether the output sink clones the outputs (default True, as DDP's DDPSink)."""
@@ -190,7 +190,7 @@ TORCH_INTERNALS = {
     "_register_fused_optim": "fused optimizers in the comm hook are not supported; step the "
                              "optimizer after backward.",
     "_set_sparse_metadata": "sparse gradients are reduced as whole tensors "
-                            "(mini_ddp.engine.sparse); no sparse metadata is used.",
+                            "(mini_ddp.engine.buckets); no sparse metadata is used.",
     "_update_process_group": "build a new DataParallelModel on the new process group.",
 }
 

@@ -134,7 +134,7 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
         "backend_name": str(dist.get_backend(model.process_group)),
         # The construction-time layout, as DDP's logger records it (never updated).
         "bucket_sizes": ", ".join(str(_nbytes(params, indices))
-                                  for indices in reducer.layout_history[0]),
+                                  for indices in reducer.layout.history[0]),
         "device_ids": "" if not model.device_ids else ", ".join(map(str, model.device_ids)),
         "dtypes": ", ".join(sorted({_C10_NAMES.get(p.dtype, str(p.dtype)) for p in params})),
         "module_name": type(model.module).__name__,
@@ -142,11 +142,11 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     strs.update({key: os.environ.get(var, "N/A") for key, var in _ENV_KEYS.items()})
     if comm_hook is not None:
         strs["comm_hook"] = comm_hook
-    if reducer.has_rebuilt:
+    if reducer.layout.has_rebuilt:
         strs["rebuilt_bucket_sizes"] = ", ".join(str(_nbytes(params, b.param_indices))
-                                                 for b in reducer.buckets)
+                                                 for b in reducer.layout.buckets)
         strs["rebuilt_per_bucket_param_indices"] = ", ".join(
-            " ".join(map(str, b.param_indices)) for b in reducer.buckets)
+            " ".join(map(str, b.param_indices)) for b in reducer.layout.buckets)
     if log.error is not None:
         strs["error"] = log.error
     ints: dict[str, int] = {
@@ -173,8 +173,8 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     if log.error is not None:
         ints["has_error"] = 1
     if log.iteration > 0:
-        ints["has_rebuilt_buckets"] = int(reducer.has_rebuilt)
-        ints["num_buckets_reduced"] = len(reducer.buckets)
+        ints["has_rebuilt_buckets"] = int(reducer.layout.has_rebuilt)
+        ints["num_buckets_reduced"] = len(reducer.layout.buckets)
         ints["unused_parameter_size"] = _nbytes(params, _unused(reducer))
         ints.update(log.stats)
         if log.ready_order is not None:

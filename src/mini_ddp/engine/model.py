@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from mini_ddp.engine import construction, pickling, python_reducer
 from mini_ddp.engine import join as joining
+from mini_ddp.engine.buckets import expect_sparse_gradients
 from mini_ddp.engine.comm import (
     BROADCAST_BUCKET_BYTES,
     dist_broadcast_coalesced,
@@ -55,7 +56,6 @@ from mini_ddp.engine.mixed_precision import (
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.output_sink import find_tensors, through_sink
 from mini_ddp.engine.reducer import Reducer
-from mini_ddp.engine.sparse import expect_sparse_gradients
 from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.errors import naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
@@ -225,7 +225,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             self.reducer.zero_copy = False  # .grad must stay the full-precision tensor
             self.register_comm_hook(mixed_precision_setup(
                 module, [p for _, p in named], mixed_precision, self.process_group,
-                self.reducer.on_grad_accumulated), allreduce_and_upcast_hook)
+                self.reducer.autograd_hook), allreduce_and_upcast_hook)
 
     def _attach_reducer(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """A fresh reducer (and what watches it) over ``named``: at construction, after
@@ -298,7 +298,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
-            self._runtime_log.forward_started(self.reducer.num_iterations,
+            self._runtime_log.forward_started(self.reducer.step.num_iterations,
                                               self.reducer.step.ready_order)
             self.reducer.prepare_for_forward()
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from mini_ddp.engine.buckets import DEFAULT_BUCKET_CAP_MB
+from mini_ddp.engine.config import DEFAULT_BUCKET_CAP_MB
 from mini_ddp.errors import MiniDDPError
 
 

@@ -9,7 +9,7 @@ with ``reducer._delay_all_reduce()``; Accelerate's ``trigger_sync_in_backward`` 
 exposes: each does what torch's does over mini_ddp's state, or — for internals no framework
 calls and mini_ddp organises differently — refuses with ``NotImplementedError`` naming the
 alternative. A backward nobody armed is never left silently local
-(:class:`~mini_ddp.engine.step_state.UnarmedBackwardError`).
+(:class:`~mini_ddp.engine.reducer.UnarmedBackwardError`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class TorchReducerAPI:
 
     def _autograd_hook(self, index: int) -> None:
         """Run parameter ``index``'s gradient hook by hand."""
-        self.on_grad_accumulated(index)
+        self.autograd_hook(index)
 
     def _check_reducer_finalized(self) -> None:
         """Raise if the last backward left gradients unreduced, naming them."""
@@ -59,8 +59,8 @@ class TorchReducerAPI:
 
     def _get_zeros_like_grad_buckets(self) -> list[GradBucket]:
         """Every bucket as a hook sees it, holding zeros (what a joined rank reduces)."""
-        return [GradBucket.of(b, len(self.buckets), torch.zeros_like(b.buffer))
-                for b in self.buckets]
+        return [GradBucket.of(b, len(self.layout.buckets), torch.zeros_like(b.buffer))
+                for b in self.layout.buckets]
 
     def _run_comm_hook(self, bucket: GradBucket) -> torch.futures.Future:
         """Launch ``bucket``'s collective through the registered hook (or the default)."""
