@@ -165,7 +165,7 @@ def result_tensor(value: object, hook: object, bucket: GradBucket) -> torch.Tens
         raise TypeError(f"mini_ddp: communication hook {name} must return a Future holding "
                         f"one tensor; for bucket {bucket.index()} it held a "
                         f"{type(value).__name__}.{hint}")
-    expected = sum(p.numel() for p in bucket.parameters())
+    expected = sum(map(torch.Tensor.numel, bucket.parameters()))
     if tuple(value.shape) != (expected,):
         raise ValueError(
             f"mini_ddp: communication hook {name} returned a tensor of shape "

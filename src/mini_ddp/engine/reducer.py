@@ -262,7 +262,10 @@ class Reducer(TorchReducerAPI):
 
     def _through_transport(self, bucket: bucketing.Bucket) -> bool:
         """Is this step's all-reduce of ``bucket`` the shared-memory one (not Gloo's)?"""
-        return self.use_transport and not bucket.sparse and self.transport.owns(bucket.buffer)
+        # A bucket below shared_memory_min_bytes is never allocated there: no need to ask.
+        return (self.use_transport and not bucket.sparse
+                and bucket.nbytes >= self.config.shared_memory_min_bytes
+                and self.transport.owns(bucket.buffer))
 
     # ---- per-step calls from the model --------------------------------------------------
     def prepare_for_forward(self) -> None:
@@ -368,7 +371,8 @@ class Reducer(TorchReducerAPI):
         self.copy_grad_in(bucket, position)
         bucket.pending -= 1
         if bucket.pending == 0:
-            self.flush_batched(bucket)
+            if self.config.batched_grad_copy:
+                self.flush_batched(bucket)
             if self.trace is not None:
                 self.trace.record("bucket_ready", bucket=bucket_index)
             self.mark_bucket_ready(bucket_index)
@@ -435,8 +439,8 @@ class Reducer(TorchReducerAPI):
     def flush_batched(self, bucket: bucketing.Bucket) -> None:
         """``batched_grad_copy``: the bucket is full, copy its noted gradients in at once
         (one ``torch._foreach_copy_``), then divide the bucket once (no comm hook)."""
-        if not self.config.batched_grad_copy or bucket.sparse:
-            return  # a sparse bucket was divided on its way in
+        if bucket.sparse:
+            return  # divided on its way in
         if bucket.deferred:
             torch._foreach_copy_([bucket.views[i] for i in bucket.deferred],
                                  [bucket.params[i].grad for i in bucket.deferred])
@@ -507,7 +511,8 @@ class Reducer(TorchReducerAPI):
                 for position in range(len(bucket.params)):
                     self.copy_grad_in(bucket, position)
             for bucket in buckets:
-                self.flush_batched(bucket)
+                if self.config.batched_grad_copy:
+                    self.flush_batched(bucket)
                 self.all_reduce_bucket(bucket)
             self.step.next_bucket = len(buckets)
         self.finalize_backward()
