@@ -1,7 +1,8 @@
 """The reducer: from one parameter's gradient hook to the all-reduce and back into ``.grad``.
 
-Follow one gradient through a step; the methods below come in this order, and the names are
-those of torch's C++ reducer (``reducer.cpp``), which a reader may hold beside this file:
+Follow one gradient through a step. After the per-step calls the model makes, the methods
+below come in this order, named as torch's C++ reducer (``reducer.cpp``) names them, so a
+reader may hold that file beside this one (docs/architecture.md has the glossary):
 
 1. :meth:`Reducer.autograd_hook` — a post-hook on the parameter's ``AccumulateGrad`` node
    fires once autograd has written ``param.grad``. It calls
