@@ -46,7 +46,7 @@ def real_layout(bucket_cap_mb: float, zero_copy: bool = True) -> list[dict]:
         x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
         nn.functional.cross_entropy(model(x), y).backward()
     buckets = []
-    for bucket in model.reducer.buckets:
+    for bucket in model.reducer.layout.buckets:
         base = bucket.buffer.data_ptr()
         item = bucket.buffer.element_size()
         entries = []

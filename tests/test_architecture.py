@@ -1,5 +1,6 @@
 """docs/architecture.md cannot go stale: every ``file:function`` it names exists, and the
-command that draws its picture runs."""
+command that draws its picture runs. That its path table matches what a real step runs is
+checked by tests/test_gradient_path.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from mini_ddp.tools import architecture
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"
-# `src/mini_ddp/engine/reducer.py:Reducer.mark_ready` -> (path, "Reducer.mark_ready")
+# `src/mini_ddp/engine/reducer.py:Reducer.mark_variable_ready` -> (path, "Reducer.mark_variable_ready")
 REFERENCE = re.compile(r"`(src/mini_ddp/[\w/]+\.py):([\w.]+)`")
 
 

@@ -26,8 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import DataParallelModel, RanksFailed, run_ranks
-from mini_ddp.engine.gloo_safe import gloo_safe, waits_in_callbacks
-from mini_ddp.engine.hooks import GradBucket
+from mini_ddp.engine.hooks import GradBucket, gloo_safe, waits_in_callbacks
 from mini_ddp.transport.collectives import collective_hook, ring_allreduce
 
 CAP_MB = 0.00015  # 157 bytes: this model's gradients fall into 3 buckets after the rebuild
@@ -146,7 +145,7 @@ def _train_pair(ctx: Any, label: str, steps: int) -> dict[str, Any]:
         opt_theirs.step()
         diffs += _differences(ours.module, theirs.module, f"step {step}, after the update")
     stats = our_state.compression_stats() if hasattr(our_state, "compression_stats") else None
-    return {"diffs": diffs, "buckets": len(ours.reducer.buckets), "stats": stats,
+    return {"diffs": diffs, "buckets": len(ours.reducer.layout.buckets), "stats": stats,
             "hook": ours.reducer.comm_hook.__qualname__}
 
 

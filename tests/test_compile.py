@@ -356,5 +356,5 @@ def test_compiled_autograd_without_the_python_reducer_is_refused_by_name(one_ran
                 torch._inductor.config.patch(_fuse_ddp_communication=False):  # set by the model
             ok = DataParallelModel(WideMLP(16))  # built in the mode: torch DDP's python reducer
             F.mse_loss(ok(torch.randn(4, 12)), torch.randn(4, 5)).backward()  # eager backward
-            assert ok._use_python_reducer and ok.reducer.num_iterations == 0
+            assert ok._use_python_reducer and ok.reducer.step.num_iterations == 0
     model(torch.randn(4, 12))  # compiled autograd off again: the usual path

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mini_ddp.engine.buckets import MIB
+from mini_ddp.engine.config import MIB
 from mini_ddp.tools.costmodel import Network, Profile, allreduce_s, buckets_for_cap, predict
 from mini_ddp.tools.costmodel_profile import profile_rank
 from mini_ddp.training.spawn import run_ranks

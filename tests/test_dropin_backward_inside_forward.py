@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.engine.step_state import UnarmedBackwardError
+from mini_ddp.engine.reducer import UnarmedBackwardError
 
 
 class _StepInsideForward(nn.Module):

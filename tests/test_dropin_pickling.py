@@ -80,7 +80,7 @@ def _copies_train_alike(ctx, how: str) -> dict[str, bool]:
             # Two ranks: the original sums big buckets in shared memory, the copy through Gloo.
             "copy_has_no_transport": copies["ours"].transport is None,
             "original_in_shared_memory": ctx.world_size != 2 or all(
-                wrapped["ours"].transport.owns(b.buffer) for b in wrapped["ours"].reducer.buckets)}
+                wrapped["ours"].transport.owns(b.buffer) for b in wrapped["ours"].reducer.layout.buckets)}
 
 
 @pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""explain(): its tables are the real bucket layouts (model.reducer.buckets), with reasons."""
+"""explain(): its tables are the real bucket layouts (model.reducer.layout.buckets), with reasons."""
 
 import contextlib
 import io
@@ -47,7 +47,7 @@ def _tables(text):
 def _actual(model):
     r = model.reducer
     return {b.index: (str(b.buffer.dtype).replace("torch.", ""), b.nbytes,
-                      [r.names[i] for i in b.param_indices]) for b in r.buckets}
+                      [r.names[i] for i in b.param_indices]) for b in r.layout.buckets}
 
 
 def _cases(ctx):
@@ -66,7 +66,7 @@ def _cases(ctx):
     predicted = [v.buckets for v in layouts(model) if v.title.startswith("predicted")]
     model(x).sum().backward()
     out["default"] = (before, explain(model), _actual(model), predicted,
-                      [list(b.param_indices) for b in model.reducer.buckets], list(logs))
+                      [list(b.param_indices) for b in model.reducer.layout.buckets], list(logs))
 
     mixed = DataParallelModel(MixedDtypeMLP())
     for _ in range(2):

@@ -105,7 +105,7 @@ def _train(ctx, name: str, outdir: str) -> None:
     except Exception as err:
         caught = time.time()
         report = {"type": type(err).__name__, "message": str(err), "caught_at": caught,
-                  "buckets": len(model.reducer.buckets) if "model" in locals() else 0}
+                  "buckets": len(model.reducer.layout.buckets) if "model" in locals() else 0}
         Path(outdir, f"rank{ctx.rank}.json").write_text(json.dumps(report))
         if how == "SIGSTOP":
             # Clean up the stopped peer now, so that this rank's exit (which destroys the

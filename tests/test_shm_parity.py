@@ -81,7 +81,7 @@ def _train_case(ctx, name: str) -> list[str]:
                              strict=True):
             if not torch.equal(a, b):
                 problems.append(f"step {step}: {n}")
-    if not all(ours.transport.owns(b.buffer) for b in ours.reducer.buckets):
+    if not all(ours.transport.owns(b.buffer) for b in ours.reducer.layout.buckets):
         problems.append("a bucket is not in shared memory")
     if _reductions(ours) == 0:
         problems.append("the shared-memory transport never allocated")

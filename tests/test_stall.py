@@ -47,7 +47,7 @@ def _skip_on_rank1(ctx, action, peer_stays, sync_timeout_s=SYNC_TIMEOUT_S):
     x = torch.randn(4, 4)
     for _ in range(2):  # step 1, then step 2 on the rebuilt buckets
         model(x).sum().backward()
-    buckets = [[model.reducer.names[i] for i in b.param_indices] for b in model.reducer.buckets]
+    buckets = [[model.reducer.names[i] for i in b.param_indices] for b in model.reducer.layout.buckets]
     outcome, start = None, time.monotonic()
     try:
         model(x, skip_branch=ctx.rank == 1).sum().backward()  # step 3: rank 1 skips the branch

@@ -49,7 +49,7 @@ def _traced_training(ctx):
     with trace(model) as rec:
         for _ in range(STEPS):
             model(x).square().mean().backward()
-            layouts.append([list(b.param_indices) for b in model.reducer.buckets])
+            layouts.append([list(b.param_indices) for b in model.reducer.layout.buckets])
             with rec.span("optimizer_step"):
                 opt.step()
             opt.zero_grad()

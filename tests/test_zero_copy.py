@@ -32,7 +32,7 @@ def _net() -> nn.Module:
 
 def _in_buckets(model: DataParallelModel) -> list[bool]:
     """Per parameter: does its ``.grad`` live in a bucket buffer of the reducer?"""
-    storages = {b.buffer.untyped_storage().data_ptr() for b in model.reducer.buckets}
+    storages = {b.buffer.untyped_storage().data_ptr() for b in model.reducer.layout.buckets}
     return [p.grad is not None and p.grad.untyped_storage().data_ptr() in storages
             for p in model.module.parameters()]
 

@@ -8,8 +8,7 @@ rank harness the tests and tools are built on.
 
 from mini_ddp.engine.comm import ParameterMismatchError
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.gloo_safe import CommHookTimeout, gloo_safe
-from mini_ddp.engine.hooks import GradBucket
+from mini_ddp.engine.hooks import CommHookTimeout, GradBucket, gloo_safe
 from mini_ddp.engine.model import DataParallelModel
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
 from mini_ddp.errors import (

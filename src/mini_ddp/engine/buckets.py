@@ -1,6 +1,6 @@
 """Gradient buckets: which parameters share one flat tensor, and that tensor itself.
 
-Two things live here, and nothing about autograd or hooks:
+What lives here, and nothing about autograd hooks:
 
 * :func:`assign_buckets` — DDP's size-capped bucket assignment as a pure function of parameter
   sizes, dtypes, devices, limits and order. It reproduces torch's
@@ -9,25 +9,46 @@ Two things live here, and nothing about autograd or hooks:
   order — hence the bits of the result — depends on that position.
 * :class:`Bucket` — one flat gradient tensor, the per-parameter views into it, and the
   per-step bookkeeping (how many gradients are still missing, the pending collective).
+* :class:`BucketLayout` — which buckets exist now, and their one-time rebuild in gradient
+  order: it installs a layout's buffers (allocating them in shared memory when the transport
+  will sum them); the hooks of the first backward record the order in which gradients arrive
+  (:meth:`BucketLayout.record_ready`), and before the second forward
+  :meth:`BucketLayout.rebuild_if_needed` rebuilds the buckets once in that order, with rank 0's
+  layout (DDP's ``rebuild_buckets``). It also tracks which of several live wrappers of the
+  same parameters armed last (:meth:`BucketLayout.armed_elsewhere`): each keeps its hooks, as
+  torch DDP's reducers do, and a backward belongs to the wrapper whose forward ran. It knows
+  parameters, the config and the transport, never the reducer, which owns one.
+* Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``), as torch
+  DDP: such a parameter gets a bucket of its own, outside the dense flat buffers (DDP's
+  ``compute_bucket_assignment_by_size`` does the same, with no size cap), and that bucket's
+  "buffer" is the sparse ``.grad`` itself. When the gradient is ready the reducer divides it
+  in place (a true division, DDP's ``mark_variable_ready_sparse``; with a comm hook it is left
+  for the hook); the collective is an all-reduce of that sparse tensor (Gloo sums sparse
+  tensors), launched in bucket order like any other, and a comm hook gets a bucket whose
+  ``buffer()`` is the sparse tensor; at the end of backward the result is copied back into the
+  same ``.grad`` (:func:`sparse_write_back`). A parameter that expects a sparse gradient must
+  receive one: DDP refuses an undefined or dense gradient for it (:func:`check_sparse_grad`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-logger = logging.getLogger(__name__)
+from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.errors import naming_collective
+from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmAllocationError, shm_supported
 
-# DDP's default bucket cap (25 MiB) and its smaller first bucket (1 MiB, used only when the
-# user did not choose a cap). "MB" in DDP's arguments means MiB.
-DEFAULT_BUCKET_CAP_MB = 25
-MIB = 1024 * 1024
+logger = logging.getLogger("mini_ddp")
 
 Allocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 """Makes a bucket's zero-filled flat buffer: ``allocate(numel, dtype, device)``."""
@@ -196,7 +217,7 @@ class Bucket:
         """Allocate the flat buffer for ``param_indices`` (in that order) and its views.
 
         A ``sparse`` bucket allocates nothing and has no views: its buffer becomes the
-        parameter's sparse ``.grad`` when that is ready (:mod:`mini_ddp.engine.sparse`).
+        parameter's sparse ``.grad`` when that is ready (:func:`check_sparse_grad`).
         """
         params = [all_params[i] for i in param_indices]
         if sparse:
@@ -272,3 +293,220 @@ def describe_layout(buckets: Sequence[Bucket], names: Sequence[str],
         lines.append(f"  {b.index:>6}  {dtype:<10}  {str(b.buffer.device):<6}  {b.nbytes:>11,}"
                      f"  {len(b.param_indices):>6}  {', '.join(shown)}")
     return "\n".join(lines)
+
+
+def assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, allowing a dtype other than the parameter's.
+
+    DDP's C++ reducer sets ``.grad`` without Python's dtype check. With mixed precision and
+    ``gradient_as_bucket_view=True`` it hands a ``param_dtype`` bucket view to a
+    full-precision parameter (and a view the comm hook upcast to a low-precision one).
+    """
+    if grad.dtype != param.dtype:
+        param.grad_dtype = None  # torch's documented switch for "any dtype"
+    param.grad = grad
+
+
+# ---- the layout in use, and its one-time rebuild ----------------------------------------
+class _ArmedBy:
+    """Per parameter (by identity), the layout whose reducer armed last for a backward.
+
+    Entries go with their parameter; only weak references are held, so a dropped wrapper is
+    freed at once. (A ``WeakKeyDictionary`` would compare tensors with ``==``.)
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, list[Any]] = {}  # id(param) -> [weakref(param), weakref(layout)]
+
+    def claim(self, params: Sequence[torch.Tensor], layout: weakref.ref) -> None:
+        for p in params:
+            entry = self._entries.get(id(p))
+            if entry is None or entry[0]() is not p:
+                entry = self._entries[id(p)] = [
+                    weakref.ref(p, functools.partial(self._forget, id(p))), None]
+            entry[1] = layout
+
+    def holder(self, param: torch.Tensor) -> Any:
+        entry = self._entries.get(id(param))
+        return None if entry is None or entry[0]() is not param else entry[1]()
+
+    def _forget(self, key: int, dead: weakref.ref) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is dead:
+            del self._entries[key]
+
+
+_ARMED_BY = _ArmedBy()
+
+
+class BucketLayout:
+    """The reducer's buckets, where each parameter sits in them, and their rebuild."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 config: DataParallelConfig, group: dist.ProcessGroup | None, rank: int,
+                 transport: SharedMemoryAllreduce | None):
+        self.params, self.names, self.config = params, names, config
+        self.group, self.rank, self.transport = group, rank, transport
+        self.buckets: list[Bucket] = []
+        self.locator: list[tuple[int, int]] = []  # param index -> (bucket, position)
+        self.history: list[list[list[int]]] = []  # every layout installed, oldest first
+        self.has_rebuilt = False
+        self.rebuild_order: list[int] = []  # gradient-ready order seen by the recording backward
+        self.grad_dtype: torch.dtype | None = None  # set by use_grad_dtype
+        self._me = weakref.ref(self)
+        # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
+        # (then DDP applies the size caps over the definition order). The list is reversed so
+        # the last-defined parameters, whose gradients come first, are in bucket 0.
+        self.install(list(reversed(assign_buckets(
+            params, config.initial_size_limits(), expect_sparse=config.expect_sparse_gradients))))
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A bucket's zero-filled buffer: shared memory when the transport will sum it."""
+        dtype = self.grad_dtype or dtype
+        nbytes = numel * dtype.itemsize
+        if self.transport is not None and device.type == "cpu" and shm_supported(dtype) \
+                and nbytes >= self.config.shared_memory_min_bytes:
+            try:
+                return self.transport.allocate(numel, dtype)  # collective: same on both ranks
+            except ShmAllocationError as err:  # raised on both ranks: both fall back
+                logger.warning("mini_ddp rank %d: %s; this bucket uses Gloo", self.rank, err)
+        return zeros_allocator(numel, dtype, device)
+
+    def use_grad_dtype(self, dtype: torch.dtype) -> None:
+        """Buckets hold ``dtype`` from now on, whatever the parameters' dtype.
+
+        DDP's mixed precision moves its buckets to ``param_dtype``; with
+        ``gradient_as_bucket_view=True`` that dtype is visible in ``.grad``.
+        """
+        self.grad_dtype = dtype
+        for bucket in self.buckets:
+            if bucket.sparse or bucket.buffer.dtype == dtype:
+                continue
+            if self.transport is not None and self.transport.owns(bucket.buffer):
+                self.transport.free(bucket.buffer)
+            bucket.replace_buffer(self.allocate(bucket.buffer.numel(), dtype,
+                                                bucket.buffer.device))
+
+    def install(self, layout: list[list[int]], rebuilt: bool = False,
+                movable: Sequence[tuple[int, torch.Tensor]] = ()) -> None:
+        """Replace the buckets by fresh ones for ``layout`` (lists of parameter indices).
+
+        ``movable``: ``(param index, view)`` of the gradients still handed out as views of the
+        old buffers (the zero-copy write-back's), copied into the new ones and kept as views.
+        """
+        for bucket in self.buckets:
+            if self.transport is not None and self.transport.owns(bucket.buffer):
+                self.transport.free(bucket.buffer)  # memory goes once the old views do
+        self.buckets, self.locator = build_buckets(
+            layout, self.params, self.allocate, self.config.expect_sparse_gradients)
+        self.history.append([list(indices) for indices in layout])
+        for index, old_view in movable:
+            bucket_index, position = self.locator[index]
+            bucket = self.buckets[bucket_index]
+            self.params[index].grad = bucket.views[position].copy_(old_view)
+            bucket.handed_out = True
+        if self.config.gradient_as_bucket_view:
+            # Gradients that already exist move into the new buffers (DDP does the same when
+            # it rebuilds), so ``.grad`` is a bucket view from now on.
+            for bucket in self.buckets:
+                if bucket.sparse:
+                    continue  # its buffer is the sparse .grad itself
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    if p.grad is not None and not shares_storage(p.grad, bucket.buffer):
+                        view.copy_(p.grad)
+                        assign_grad(p, view)  # mixed precision: a param_dtype view
+        logger.info("mini_ddp rank %d bucket layout, %s:\n%s", self.rank,
+                    self.config.layout_reason(rebuilt),
+                    describe_layout(self.buckets, self.names))
+
+    def should_rebuild(self) -> bool:
+        """DDP rebuilds once, in gradient-ready order, unless it searches for unused params."""
+        return ((self.config.static_graph or not self.config.find_unused_parameters)
+                and not self.has_rebuilt)
+
+    def reset_bucket_counting(self) -> None:
+        """Before a synced backward: every bucket waits for all its gradients again."""
+        _ARMED_BY.claim(self.params, self._me)
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.param_indices)
+            bucket.future = None
+            bucket.deferred.clear()  # batched_grad_copy: nothing deferred yet
+
+    def armed_elsewhere(self, index: int) -> bool:
+        """Has another live wrapper of parameter ``index`` armed for a backward since this one?
+
+        Then a gradient after this layout's synchronised step is that wrapper's (torch DDP's
+        reducer ignores a hook it does not expect), not a second backward of ours.
+        """
+        holder = _ARMED_BY.holder(self.params[index])
+        return holder is not None and holder is not self
+
+    def record_ready(self, *indices: int) -> None:
+        """Note that these parameters' gradients are the next ones to become ready."""
+        self.rebuild_order.extend(indices)
+
+    def record_all(self) -> None:
+        """Rebuild with every parameter if nothing was recorded (a joined rank's backward:
+        DDP pushes every parameter so that it rebuilds with the others)."""
+        if self.should_rebuild() and not self.rebuild_order:
+            self.rebuild_order = list(range(len(self.params)))
+
+    def rebuild_if_needed(self, handed_out: Callable[[Sequence[Bucket]],
+                                                     list[tuple[int, torch.Tensor]]]) -> bool:
+        """Before a forward: rebuild the buckets once, in the recorded order, with rank 0's.
+
+        ``handed_out(buckets)`` lists the gradients that move along into the new buffers
+        (:func:`mini_ddp.engine.writeback.handed_out_grads`).
+        """
+        if not self.should_rebuild() or not self.rebuild_order:
+            return False
+        layout = assign_buckets(self.params, self.config.rebuild_size_limits(),
+                                          order=self.rebuild_order,
+                                          expect_sparse=self.config.expect_sparse_gradients)
+        with naming_collective(self.rank, "the broadcast of rank 0's rebuilt bucket layout "
+                               "(before the second forward)"):
+            layout = agree_on_layout(layout, self.group, self.params[0].device)
+        self.has_rebuilt = True
+        self.rebuild_order = []
+        self.install(layout, rebuilt=True, movable=handed_out(self.buckets))
+        return True
+
+
+# ---- sparse gradients: a bucket of their own -------------------------------------------
+NOT_DEFINED = "Expected sparse gradient to be defined."
+NOT_SPARSE = "Expected variable to have sparse gradient."
+
+
+def produces_sparse_gradient(module: nn.Module) -> bool:
+    """DDP's test: an ``Embedding`` or ``EmbeddingBag`` built with ``sparse=True``."""
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+
+
+def expect_sparse_gradients(module: nn.Module, params: Sequence[torch.Tensor]) -> list[bool]:
+    """For each of the reducer's ``params``: does its (first) owning module make sparse grads?"""
+    owner: dict[int, bool] = {}
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            owner.setdefault(id(param), produces_sparse_gradient(sub))
+    return [owner.get(id(p), False) for p in params]
+
+
+def check_sparse_grad(grad: torch.Tensor | None, name: str, rank: int) -> torch.Tensor:
+    """The gradient of a sparse-bucket parameter, or DDP's error (``RuntimeError``)."""
+    if grad is None:
+        raise RuntimeError(f"{NOT_DEFINED} (mini_ddp: parameter '{name}' on rank {rank} got no "
+                           f"gradient; a sparse bucket cannot contribute zeros)")
+    if grad.layout != torch.sparse_coo:
+        raise RuntimeError(f"{NOT_SPARSE} (mini_ddp: parameter '{name}' on rank {rank} got a "
+                           f"{grad.layout} gradient)")
+    return grad
+
+
+def sparse_write_back(bucket: Bucket, value: object) -> None:
+    """Copy the collective's result into the bucket, which is the parameter's ``.grad``."""
+    result = value[0] if isinstance(value, (list, tuple)) else value
+    if not isinstance(result, torch.Tensor) or not result.is_sparse:
+        raise TypeError(f"mini_ddp: the collective of sparse bucket {bucket.index} must "
+                        f"resolve to a sparse tensor; it held a {type(result).__name__}")
+    if result is not bucket.buffer:
+        bucket.buffer.copy_(result)

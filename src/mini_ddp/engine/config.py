@@ -8,7 +8,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mini_ddp.engine.buckets import DEFAULT_BUCKET_CAP_MB, MIB
+# DDP's default bucket cap (25 MiB) and its smaller first bucket (1 MiB, used only when the
+# user did not choose a cap). "MB" in DDP's arguments means MiB.
+DEFAULT_BUCKET_CAP_MB = 25
+MIB = 1024 * 1024
 
 
 @dataclass
@@ -114,7 +117,7 @@ class DataParallelConfig:
     expect_sparse_gradients: list[bool] | None = None
     """Per reducer parameter: does its module produce sparse gradients (``Embedding`` /
     ``EmbeddingBag`` with ``sparse=True``)? Set by ``DataParallelModel``; each such parameter
-    gets a bucket of its own (:mod:`mini_ddp.engine.sparse`)."""
+    gets a bucket of its own (:mod:`mini_ddp.engine.buckets`)."""
 
     def resolve_sync_timeout(self, group: dist.ProcessGroup) -> None:
         """Replace ``sync_timeout_s=None`` by ``group``'s own timeout, in seconds, and

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from mini_ddp.engine.buckets import DEFAULT_BUCKET_CAP_MB, MIB
+from mini_ddp.engine.config import DEFAULT_BUCKET_CAP_MB, MIB
 
 
 class DelayedAllReduce:

@@ -105,7 +105,7 @@ def shadow_backward(reducer: Any) -> None:
     through the comm-hook door, then the unused-parameter map — and waits, as DDP's join
     hook does. Zeros add nothing to the other ranks' sums.
     """
-    buckets = reducer.buckets
+    buckets = reducer.layout.buckets
     pending = []
     for bucket in buckets:
         zeros = GradBucket.of(bucket, len(buckets), torch.zeros_like(bucket.buffer))

@@ -42,17 +42,21 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from mini_ddp.engine import join as joining
-from mini_ddp.engine.buckets import MIB
+from mini_ddp.engine.buckets import expect_sparse_gradients
 from mini_ddp.engine.comm import (
     BROADCAST_BUCKET_BYTES,
     dist_broadcast_coalesced,
     verify_params_across_ranks,
 )
-from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.engine.config import MIB, DataParallelConfig
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
-from mini_ddp.engine.gloo_safe import prepare_comm_hook
-from mini_ddp.engine.hook_checks import builtin_comm_hook, check_comm_hook
-from mini_ddp.engine.hooks import CommHook, hook_name
+from mini_ddp.engine.hooks import (
+    CommHook,
+    builtin_comm_hook,
+    check_comm_hook,
+    hook_name,
+    prepare_comm_hook,
+)
 from mini_ddp.engine.mixed_precision import (
     MIXED_PRECISION_BUCKET_VIEW,
     allreduce_and_upcast_hook,
@@ -60,7 +64,6 @@ from mini_ddp.engine.mixed_precision import (
 )
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.reducer import Reducer
-from mini_ddp.engine.sparse import expect_sparse_gradients
 from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.engine.torch_api import (
     MODEL_REFUSAL,
@@ -239,7 +242,7 @@ class DataParallelModel(DistributedDataParallel):
             self.reducer.zero_copy = False  # .grad must stay the full-precision tensor
             self.register_comm_hook(mixed_precision_setup(
                 module, [p for _, p in named], mixed_precision, self.process_group,
-                self.reducer.on_grad_accumulated), allreduce_and_upcast_hook)
+                self.reducer.autograd_hook), allreduce_and_upcast_hook)
 
     def _attach_reducer(self, named: list[tuple[str, nn.Parameter]],
                         comm_hook: tuple[CommHook, object] | None = None) -> None:
@@ -308,7 +311,7 @@ class DataParallelModel(DistributedDataParallel):
             trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
-            self._runtime_log.forward_started(self.reducer.num_iterations,
+            self._runtime_log.forward_started(self.reducer.step.num_iterations,
                                               self.reducer.step.ready_order)
             self.reducer.prepare_for_forward()
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
@@ -474,7 +477,7 @@ class DataParallelModel(DistributedDataParallel):
         gradients itself: with a hook, gradients are copied into buckets unscaled.
 
         On Gloo, torch's PowerSGD and quantization hooks are wrapped in
-        :func:`mini_ddp.engine.gloo_safe.gloo_safe` (each bucket finishes before the next starts): as
+        :func:`mini_ddp.engine.hooks.gloo_safe` (each bucket finishes before the next starts): as
         they are, they deadlock there, in torch DDP too. See docs/comm_hooks.md.
         """
         self._check_comm_hook(hook)
@@ -491,7 +494,7 @@ class DataParallelModel(DistributedDataParallel):
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``,
         ``FP16_COMPRESS``), run as the equivalent Python hooks of torch's ``default_hooks``
-        (same operations, same bits; see :func:`mini_ddp.engine.hook_checks.builtin_comm_hook`)."""
+        (same operations, same bits; see :func:`mini_ddp.engine.hooks.builtin_comm_hook`)."""
         self._install_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type),
                                 str(comm_hook_type), TWO_HOOKS_BUILTIN)
 
@@ -590,8 +593,8 @@ class DataParallelModel(DistributedDataParallel):
             warnings.warn("You've set static_graph to be True, no need to set it again.",
                           stacklevel=2)
             return
-        if self.reducer.num_iterations != 0:
-            err = RuntimeError(f"{STATIC_GRAPH_LATE} (mini_ddp: {self.reducer.num_iterations} "
+        if self.reducer.step.num_iterations != 0:
+            err = RuntimeError(f"{STATIC_GRAPH_LATE} (mini_ddp: {self.reducer.step.num_iterations} "
                                "iterations have run)")
             self._runtime_log.record_error(err)
             raise err
@@ -657,7 +660,7 @@ class DataParallelModel(DistributedDataParallel):
 
     def _fire_reducer_autograd_hook(self, idx: int, *unused: Any) -> None:
         """Run parameter ``idx``'s gradient hook by hand (DDP's mixed-precision path does)."""
-        self.reducer.on_grad_accumulated(idx)
+        self.reducer.autograd_hook(idx)
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """Whether the output sink clones the outputs (default True, as DDP's DDPSink)."""

@@ -1,41 +1,48 @@
 """The reducer: from one parameter's gradient hook to the all-reduce and back into ``.grad``.
 
-Follow one gradient through a step:
+Follow one gradient through a step. After the per-step calls the model makes, the methods
+below come in this order, named as torch's C++ reducer (``reducer.cpp``) names them, so a
+reader may hold that file beside this one (docs/architecture.md has the glossary):
 
-1. :meth:`Reducer.on_grad_accumulated` — a post-hook on the parameter's ``AccumulateGrad``
-   node fires once autograd has written ``param.grad``. It calls :meth:`~Reducer.mark_ready`.
-2. :meth:`~Reducer.mark_ready` copies the gradient into its bucket view, *multiplied* by
-   ``1/world_size`` (DDP's exact arithmetic, :mod:`mini_ddp.engine.copy_in`), and counts the
-   bucket down. A full bucket is launched as soon as every earlier bucket has been
-   (:meth:`~Reducer.start_grad_sync`): always in bucket order, so every rank issues the same
-   collectives in the same order.
-3. The launch goes through the comm-hook door (:func:`mini_ddp.engine.hooks.launch_hook`) — or,
-   for two ranks on one machine, through shared memory (:mod:`mini_ddp.transport.shm`, same
-   bits); the future is kept.
-4. When the last bucket has launched, :meth:`~Reducer.finish_grad_sync` is queued on the
-   autograd engine. It runs when backward ends, waits for every bucket in
-   :meth:`~Reducer.wait` (the only place that blocks, with a deadline:
-   :mod:`mini_ddp.engine.bucket_wait`), and writes the results back into ``param.grad``
-   (:mod:`mini_ddp.engine.writeback`): by default ``.grad`` becomes the bucket's view, reclaimed
-   before the next backward writes into the bucket (at step 1).
+1. :meth:`Reducer.autograd_hook` — a post-hook on the parameter's ``AccumulateGrad`` node
+   fires once autograd has written ``param.grad``. It calls
+   :meth:`~Reducer.mark_variable_ready`.
+2. :meth:`~Reducer.mark_variable_ready` copies the gradient into its bucket view,
+   *multiplied* by ``1/world_size`` (DDP's exact arithmetic, in :meth:`~Reducer.copy_grad_in`,
+   the one place gradients are scaled), and counts the bucket down. A full bucket is launched
+   as soon as every earlier bucket has been (:meth:`~Reducer.mark_bucket_ready`): always in
+   bucket order, so every rank issues the same collectives in the same order.
+3. :meth:`~Reducer.all_reduce_bucket` launches it through the comm-hook door
+   (:func:`mini_ddp.engine.hooks.launch_hook`, which runs a registered hook or the default
+   all-reduce) — or, for two ranks on one machine, through shared memory
+   (:mod:`mini_ddp.transport.shm`, same bits); the future is kept.
+4. When the last bucket has launched, :meth:`~Reducer.finalize_backward` is queued on the
+   autograd engine. It runs when backward ends and waits for every bucket in
+   :meth:`~Reducer.wait` (the only place that blocks, with a deadline),
+5. and writes the results back into ``param.grad`` (:mod:`mini_ddp.engine.writeback`): by
+   default a copy of the bucket's view, as DDP; with ``zero_copy_write_back=True`` ``.grad``
+   becomes the view, reclaimed before the next backward writes into the bucket (at step 1).
 
-The bookkeeping mirrors torch's C++ reducer (``reducer.cpp``) wherever it changes a value or an
-error. It lives in :class:`~mini_ddp.engine.reducer_state.ReducerState`, this class's base (the
-views observers read, the per-step calls that touch no gradient), and in small named objects:
-the per-step counters in :class:`~mini_ddp.engine.step_state.StepState`, the buckets and their
-one-time rebuild in :class:`~mini_ddp.engine.graph_state.BucketLayout`, the unused-parameter
-search in :class:`~mini_ddp.engine.unused.UnusedSearch`. A static graph's first iteration
-reduces everything after backward (:meth:`~Reducer.delay_all_reduce`); join's stand-in backward
-is in :mod:`mini_ddp.engine.join`. DDP's variants of steps 2 and 3 — ``batched_grad_copy``, a
-sparse gradient that *is* its own bucket, ``skip_all_reduce_unused_params`` leaving out buckets
-of unused parameters only — are routed in :mod:`mini_ddp.engine.grad_routing`.
+The bookkeeping mirrors reducer.cpp wherever it changes a value or an error. The reducer owns
+it in three named objects: the per-step counters in :class:`StepState` (named after
+reducer.cpp's members), the buckets and their one-time rebuild in
+:class:`~mini_ddp.engine.buckets.BucketLayout` (``reducer.layout``), the unused-parameter search
+in :class:`~mini_ddp.engine.unused.UnusedSearch`. A static graph's first iteration reduces
+everything after backward (:meth:`~Reducer.delay_all_reduce`); join's stand-in backward is in
+:mod:`mini_ddp.engine.join`. DDP's variants of steps 2 and 3 sit in the step they vary:
+``batched_grad_copy`` (:meth:`~Reducer.copy_grad_in` only notes a gradient and
+:meth:`~Reducer.flush_batched` copies a full bucket at once), a sparse gradient that *is* its
+own bucket, and ``skip_all_reduce_unused_params`` leaving out buckets of unused parameters only
+(:meth:`~Reducer.mark_bucket_ready`).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,12 +51,9 @@ from torch.autograd import Variable
 
 from mini_ddp.engine import buckets as bucketing
 from mini_ddp.engine import writeback
-from mini_ddp.engine.bucket_wait import wait_for_collective
+from mini_ddp.engine.buckets import BucketLayout, assign_grad, check_sparse_grad, shares_storage
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.grad_routing import flush_if_batched, grad_into_bucket, skipped
-from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook, result_tensor
-from mini_ddp.engine.reducer_state import ReducerState
-from mini_ddp.engine.sparse import sparse_write_back
+from mini_ddp.engine.hooks import CommHook, GradBucket, launch_hook, result_tensor
 from mini_ddp.engine.torch_api import (
     BACKWARD_COMM_END,
     BACKWARD_COMM_START,
@@ -58,8 +62,131 @@ from mini_ddp.engine.torch_api import (
     TorchReducerAPI,
     outputs_list,
 )
-from mini_ddp.errors import GradSyncTimeout, MarkedTwiceError, describe_bucket, naming_collective
-from mini_ddp.transport.shm import SharedMemoryAllreduce
+from mini_ddp.engine.unused import UnusedSearch
+from mini_ddp.errors import (
+    CollectiveError,
+    GradSyncTimeout,
+    MarkedTwiceError,
+    MiniDDPError,
+    UnfinishedReductionError,
+    describe_bucket,
+    naming_collective,
+)
+from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmError
+from mini_ddp.transport.wait import wait_done
+
+OnStall = Callable[[Any, "bucketing.Bucket | None", "BaseException | None"], None]
+
+
+class UnarmedBackwardError(MiniDDPError):
+    """A backward ran inside a synchronised forward that nobody armed for it."""
+
+    def __init__(self, rank: int, name: str, index: int):
+        self.rank, self.name, self.index = rank, name, index
+        super().__init__(
+            f"mini_ddp: parameter '{name}' (index {index}) received a gradient on rank {rank} "
+            "while DataParallelModel's forward was still running, and nothing armed the "
+            "reducer for that backward: its gradients would stay local and the ranks would "
+            "drift apart. Call model.reducer.prepare_for_backward(outputs) before such a "
+            "backward (as torch DDP requires and PyTorch Lightning does through "
+            "isinstance(model, DistributedDataParallel)), run backward after the forward "
+            "returns, or run the forward inside model.no_sync() to accumulate locally.")
+
+
+@dataclass
+class StepState:
+    """The per-step state of a reducer over ``num_params`` parameters."""
+
+    num_params: int
+    num_iterations: int = 0          # synced forwards so far
+    num_backward_calls: int = 0      # backward passes that reached a hook (DDP's num_bwd_calls_)
+    backward_counted: bool = False   # this backward is counted (reset when it finishes)
+    # Settled by the first hook of a backward (:meth:`begin_backward`): what every hook
+    # of that backward asks, read instead of re-derived per parameter.
+    static_first: bool = False       # a static graph's first backward: hooks only count
+    tracks_used: bool = False        # hooks fill the used map
+    records_order: bool = False      # hooks record the gradient-ready order for the rebuild
+    expect_hooks: bool = False       # a synced backward is expected
+    forward_running: bool = False    # a synced forward has not returned yet
+    synced_this_step: bool = False   # a synced backward finished; no forward since
+    require_finalize: bool = False   # some gradient was marked ready and not yet finished
+    marked_unused: bool = False      # this backward's unused parameters were marked ready
+    next_bucket: int = 0             # the next bucket to launch (launches are in order)
+    ready: set[int] = field(default_factory=set)  # parameters marked ready this iteration
+    ready_order: list[int] = field(default_factory=list)  # hooks' order, for the logging data
+    static_hook_counts: list[int] = field(default_factory=list)  # hooks per param, iteration 1
+    static_hooks_left: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.static_hook_counts = [0] * self.num_params
+        self.static_hooks_left = [0] * self.num_params
+
+    def begin_backward(self, static_graph: bool, dynamic_unused: bool) -> None:
+        """First hook of a backward: count it, and settle what its other hooks will ask."""
+        self.backward_counted = True
+        if static_graph and not self.expect_hooks and self.num_backward_calls == 0:
+            # A local backward (no_sync()) before a static graph's first synchronised one is
+            # not its "iteration 1": its gradients stay local, and the first synchronised
+            # backward then counts the hooks and reduces everything accumulated (torch DDP
+            # fails an internal assert here).
+            self.static_first = self.tracks_used = False
+            return
+        self.num_backward_calls += 1
+        # Counted in backward passes, as DDP does since 2.1: two forwards may precede one
+        # backward, and that backward is still "iteration 1".
+        self.static_first = static_graph and self.num_backward_calls == 1
+        self.tracks_used = dynamic_unused or self.static_first
+
+    def last_static_hook(self, index: int, name: str, rank: int) -> bool:
+        """Static graph: count a hook of parameter ``index``; True when it is its last one.
+
+        Hooks may fire several times per parameter (e.g. activation checkpointing): the
+        gradient is final at the count iteration 1 saw. More hooks than that, or a parameter
+        iteration 1 never saw, mean the graph changed.
+        """
+        if self.static_hooks_left[index] == 0:
+            raise MiniDDPError(
+                f"mini_ddp: parameter '{name}' received a gradient on rank {rank} it did not "
+                "receive in iteration 1, or more often: the training graph changed, which "
+                "static_graph=True does not allow.")
+        self.static_hooks_left[index] -= 1
+        return self.static_hooks_left[index] == 0
+
+    def expect_autograd_hooks(self, static_graph: bool) -> None:
+        """Before a synced backward (``prepare_for_backward``): expect hooks, nothing ready,
+        nothing launched."""
+        self.expect_hooks = True
+        self.backward_counted = False  # the armed backward is a new one, even after no_sync
+        self.synced_this_step = False
+        self.next_bucket = 0
+        if static_graph:
+            self.static_hooks_left = list(self.static_hook_counts)
+        self.marked_unused = False
+        self.ready.clear()
+        self.ready_order.clear()  # torch clears its grad_ready_order_indices_ here too
+
+    def finish(self) -> None:
+        """A synced backward has finished (its gradients are being written back)."""
+        self.expect_hooks = False
+        self.synced_this_step = True
+        self.require_finalize = False
+        self.backward_counted = False
+
+    def unarmed(self, rank: int, name: str, index: int) -> UnarmedBackwardError | None:
+        """A hook fired while no synced backward is expected: the error to raise, if any.
+
+        torch DDP ignores such a gradient, which is right for ``no_sync()`` and for a backward
+        through the bare module, but not for a backward that runs *inside* a synced forward
+        (a framework's manual backward in ``training_step``) that nobody armed with
+        ``reducer.prepare_for_backward``: its gradients would stay local, the ranks drift apart.
+        """
+        if self.forward_running:
+            return UnarmedBackwardError(rank, name, index)
+        return None
+
+    def missing(self) -> list[int]:
+        """Parameters not marked ready in this iteration."""
+        return [i for i in range(self.num_params) if i not in self.ready]
 
 
 def _grad_accumulator(param: torch.Tensor) -> Any:
@@ -67,18 +194,56 @@ def _grad_accumulator(param: torch.Tensor) -> Any:
     return param.view_as(param).grad_fn.next_functions[0][0]
 
 
-class Reducer(TorchReducerAPI, ReducerState):
+def scale_tensor(div_factor: int) -> torch.Tensor:
+    """``1/div_factor`` as the 0-dim float64 CPU tensor DDP hands ``mul_out``.
+
+    A wrapped double scalar: made once per divisor instead of per gradient (a Python float
+    makes ``torch.mul`` build that tensor on every call). Same kernel, same bits.
+    """
+    return torch.tensor(1.0 / div_factor, dtype=torch.float64)
+
+
+class Reducer(TorchReducerAPI):
     """Hooks and the hook -> bucket -> launch -> wait -> write-back path of one model.
 
     Answers torch's reducer methods by name too (:mod:`mini_ddp.engine.torch_api`).
+    Observers read its state where it lives: ``layout`` (buckets, locator, rebuild history),
+    ``step`` (:class:`StepState`) and ``unused_search``.
     """
 
-    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.flight_log), or None
+    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.stall.FlightLog), or None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
                  transport: SharedMemoryAllreduce | None = None):
-        super().__init__(params, names, group, config, transport)
+        self.params = list(params)
+        self.names = list(names)
+        self.group = group
+        self.config = config
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.div_factor = self.world_size  # what gradients are averaged over (join may change it)
+        self.comm_hook: CommHook | None = None
+        self.comm_hook_state: Any = None
+        self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
+        # The stall seam: on_stall(reducer, bucket, error) is called once a wait passes
+        # stall_after_s (error None) and when a collective fails. The model installs the default
+        # warning there (mini_ddp.engine.stall); mini_ddp.observe.watchdog replaces it.
+        self.on_stall: OnStall | None = None
+        self.stall_after_s: float | None = None
+        # Two ranks on one host: big float buckets live in shared memory and are summed there.
+        self.transport = transport
+        self.use_transport = transport is not None  # off while Join runs (model.forward)
+        # Zero-copy write-back: after the all-reduce, .grad becomes the bucket's view instead of
+        # a copy of it (writeback.hand_out). Only on the plain path; the unused-parameter paths
+        # and gradient_as_bucket_view keep their own rules, which are DDP's.
+        self.zero_copy = (config.zero_copy_write_back and not config.gradient_as_bucket_view
+                          and not config.find_unused_parameters and not config.static_graph)
+        self.layout = BucketLayout(self.params, self.names, config, group, self.rank, transport)
+        self.step = StepState(len(self.params))
+        self.unused_search = UnusedSearch(len(self.params), self.params[0].device, config,
+                                          group, self.rank)
+        self._lock = threading.Lock()
         # Hooks go on the AccumulateGrad nodes, not on the tensors: such a post-hook fires even
         # when the incoming gradient is undefined (an output unused in the loss), which is how
         # DDP tells "used but got no gradient" apart from "never reached".
@@ -87,15 +252,45 @@ class Reducer(TorchReducerAPI, ReducerState):
         self._hook_handles = [acc.register_hook(functools.partial(_hook_trampoline, me, index))
                               for index, acc in enumerate(self._accumulators)]
 
+    @property
+    def div_factor(self) -> int:
+        """What gradients are averaged over: the world size, unless ``join`` changes it."""
+        return self._div_factor
+
+    @div_factor.setter
+    def div_factor(self, value: int) -> None:
+        self._div_factor = value
+        self._scale = scale_tensor(value)
+
     def _through_transport(self, bucket: bucketing.Bucket) -> bool:
         """Is this step's all-reduce of ``bucket`` the shared-memory one (not Gloo's)?"""
-        return self.use_transport and not bucket.sparse and self.transport.owns(bucket.buffer)
+        # A bucket below shared_memory_min_bytes is never allocated there: no need to ask.
+        return (self.use_transport and not bucket.sparse
+                and bucket.nbytes >= self.config.shared_memory_min_bytes
+                and self.transport.owns(bucket.buffer))
 
-    # ---- per-step state ------------------------------------------------------------------
+    # ---- per-step calls from the model --------------------------------------------------
+    def prepare_for_forward(self) -> None:
+        """Count a synced forward (static graphs behave differently in iteration 1)."""
+        self.step.num_iterations += 1
+
+    def local_backward_follows(self) -> None:
+        """This forward's backward is local by design (``no_sync()``): no sync expected."""
+        self.step.synced_this_step = False
+
+    def ensure_prior_reduction_finished(self) -> None:
+        """Raise, naming the parameters, if the last backward left gradients unreduced."""
+        if not self.step.require_finalize:
+            return
+        missing = self.step.missing()
+        raise UnfinishedReductionError(self.rank, [self.names[i] for i in missing], missing)
+
     def rebuild_buckets_if_needed(self) -> bool:
         """Before a forward: check the last backward finished; rebuild buckets once."""
         self.ensure_prior_reduction_finished()
-        return self.layout.rebuild_if_needed()
+        # Gradients the zero-copy write-back left in the old buffers move along (unless someone
+        # else holds them), so later steps keep writing in place instead of copying.
+        return self.layout.rebuild_if_needed(writeback.handed_out_grads)
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | torch.Tensor) -> None:
         """Arm the hooks for the backward of this forward's ``outputs`` (a tensor or a list
@@ -104,10 +299,10 @@ class Reducer(TorchReducerAPI, ReducerState):
         outputs = outputs_list(outputs)
         if self.runtime_log is not None:
             self.runtime_log.mark(BACKWARD_COMPUTE_START)
-        self.step.arm(self.config.static_graph)
+        self.step.expect_autograd_hooks(self.config.static_graph)
         # The rebuild happens before forward, so this holds for the whole backward.
         self.step.records_order = self.layout.should_rebuild()
-        self.layout.arm()
+        self.layout.reset_bucket_counting()
         if self.unused_search.dynamic:
             self.unused_search.search(self._accumulators, outputs)
 
@@ -123,7 +318,7 @@ class Reducer(TorchReducerAPI, ReducerState):
         self.step.forward_running = synced
 
     # ---- 1. hook -------------------------------------------------------------------------
-    def on_grad_accumulated(self, index: int) -> None:
+    def autograd_hook(self, index: int) -> None:
         """The hook of parameter ``index``: autograd has written its ``.grad``."""
         step = self.step
         with self._lock:
@@ -155,58 +350,130 @@ class Reducer(TorchReducerAPI, ReducerState):
                 step.marked_unused = True
                 if self.zero_copy:
                     # Before anything is written into a bucket a .grad may still be.
-                    writeback.reclaim_buffers(self.buckets, self.transport)
+                    writeback.reclaim_buffers(self.layout.buckets, self.transport)
                 for unused_index in self.unused_search.unused:
-                    self.mark_ready(unused_index)
+                    self.mark_variable_ready(unused_index)
             if self.config.static_graph and not step.last_static_hook(index, self.names[index],
                                                                       self.rank):
                 return  # hooks fire several times (e.g. checkpointing): wait for the last
             if step.records_order:
                 self.layout.record_ready(index)
-            self.mark_ready(index)
+            self.mark_variable_ready(index)
 
     # ---- 2. into the bucket --------------------------------------------------------------
-    def mark_ready(self, index: int) -> None:
+    def mark_variable_ready(self, index: int) -> None:
         """Copy parameter ``index``'s gradient into its bucket; launch what became full."""
-        step = self.step
+        step, buckets = self.step, self.layout.buckets
         if index in step.ready:
             raise MarkedTwiceError(self.rank, self.names[index], index)
         step.ready.add(index)
         step.require_finalize = True
-        bucket_index, position = self.locator[index]
-        bucket = self.buckets[bucket_index]
-        self._copy_in(bucket, position)
+        bucket_index, position = self.layout.locator[index]
+        bucket = buckets[bucket_index]
+        self.copy_grad_in(bucket, position)
         bucket.pending -= 1
         if bucket.pending == 0:
-            flush_if_batched(bucket, self.config, hooked=self.comm_hook is not None,
-                             div_factor=self.div_factor)
+            if self.config.batched_grad_copy:
+                self.flush_batched(bucket)
             if self.trace is not None:
                 self.trace.record("bucket_ready", bucket=bucket_index)
-            self.start_grad_sync(bucket_index)
+            self.mark_bucket_ready(bucket_index)
             # Only a launch moves next_bucket, so only a full bucket can make it the last.
-            if step.next_bucket == len(self.buckets):
+            if step.next_bucket == len(buckets):
                 if self.unused_search.dynamic:
-                    self.unused_search.launch_map_reduce(lambda: self._describe(None))
-                Variable._execution_engine.queue_callback(self.finish_grad_sync)
+                    self.unused_search.launch_map_reduce(lambda: self.describe(None))
+                Variable._execution_engine.queue_callback(self.finalize_backward)
 
-    def _copy_in(self, bucket: bucketing.Bucket, position: int) -> None:
-        grad_into_bucket(bucket, position, self.config, hooked=self.comm_hook is not None,
-                         div_factor=self.div_factor, scale=self._scale, names=self.names,
-                         rank=self.rank)
+    def copy_grad_in(self, bucket: bucketing.Bucket, position: int) -> None:
+        """Put ``bucket.params[position]``'s gradient into its view of the bucket, scaled.
+
+        The one place gradients are scaled. Without a comm hook, DDP multiplies by
+        ``1/world_size`` *while copying* (``mul_out`` with a double scalar); with a hook it
+        copies unscaled, since the hook averages. ``x * (1/3)`` differs from ``x / 3`` in about
+        a third of fp32 values, so this is where bitwise parity is won. DDP's variants:
+
+        * a sparse gradient becomes its bucket, divided in place (a true division, DDP's
+          ``mark_variable_ready_sparse``);
+        * ``batched_grad_copy=True`` only *notes* a gradient that is not already the view;
+          :meth:`flush_batched` copies the noted ones when the bucket is full and divides the
+          whole flat bucket once (a true division — the bits differ from the default path's
+          multiply exactly as they do in torch DDP). An undefined gradient zeroes its view at
+          once; one that requires grad (``create_graph=True``) bypasses batching and is then
+          divided a second time by the flat ``div_``, as in DDP.
+        """
+        hooked = self.comm_hook is not None
+        if bucket.sparse:  # the sparse .grad becomes the bucket (mini_ddp.engine.buckets)
+            grad = check_sparse_grad(bucket.params[0].grad, self.names[bucket.param_indices[0]],
+                                     self.rank)
+            bucket.buffer = grad
+            if not hooked:
+                grad.div_(self.div_factor)  # DDP: a true division, on the .grad itself
+            return
+        param, view = bucket.params[position], bucket.views[position]
+        grad = param.grad
+        if grad is None:
+            view.zero_()  # marked ready without a gradient: contribute zeros
+            return
+        batched, as_bucket_view = self.config.batched_grad_copy, self.config.gradient_as_bucket_view
+        if grad is view or (as_bucket_view and shares_storage(grad, bucket.buffer)):
+            # The gradient already *is* the bucket view, and autograd accumulated into it.
+            if hooked or batched:
+                return  # a hook averages; batched: the flat div_ scales it
+            if as_bucket_view:
+                view.div_(self.div_factor)  # DDP divides in place here: a true division
+            else:
+                # Zero-copy write-back left it here: the default path's multiply, in
+                # place — the same kernel and scalar as below, so the same bits.
+                torch.mul(view, self._scale, out=view)
+            return
+        if batched and not grad.requires_grad:
+            bucket.deferred.append(position)  # DDP's defer: flush_batched copies it
+            return
+        if hooked:
+            view.copy_(grad)  # a user hook does its own averaging
+        elif grad.requires_grad:  # create_graph=True: the copy must not join the graph
+            view.copy_(torch.mul(grad.detach(), 1.0 / self.div_factor))
+        else:
+            torch.mul(grad, self._scale, out=view)  # DDP's mul_out: where parity is won
+        if as_bucket_view:
+            assign_grad(param, view)
+
+    def flush_batched(self, bucket: bucketing.Bucket) -> None:
+        """``batched_grad_copy``: the bucket is full, copy its noted gradients in at once
+        (one ``torch._foreach_copy_``), then divide the bucket once (no comm hook)."""
+        if bucket.sparse:
+            return  # divided on its way in
+        if bucket.deferred:
+            torch._foreach_copy_([bucket.views[i] for i in bucket.deferred],
+                                 [bucket.params[i].grad for i in bucket.deferred])
+            if self.config.gradient_as_bucket_view:
+                for i in bucket.deferred:
+                    bucket.params[i].grad = bucket.views[i]
+            bucket.deferred.clear()
+        if self.comm_hook is None:
+            bucket.buffer.div_(self.div_factor)
 
     # ---- 3. launch -----------------------------------------------------------------------
-    def start_grad_sync(self, bucket_index: int) -> None:
-        """Launch every ready bucket from ``next_bucket`` on, strictly in bucket order."""
-        step, buckets = self.step, self.buckets
+    def mark_bucket_ready(self, bucket_index: int) -> None:
+        """Launch every ready bucket from ``next_bucket`` on, strictly in bucket order.
+
+        With ``skip_all_reduce_unused_params`` a bucket of unused parameters only stays local
+        (no future: its ``.grad`` are left alone), as DDP's ``should_skip_all_reduce_bucket``.
+        """
+        step, buckets = self.step, self.layout.buckets
         if bucket_index > step.next_bucket:
             return
         while step.next_bucket < len(buckets) and buckets[step.next_bucket].pending == 0:
-            if not skipped(buckets[step.next_bucket], self.config, self.unused_search.unused):
-                self._launch(buckets[step.next_bucket])
+            bucket = buckets[step.next_bucket]
+            if not (self.config.skip_all_reduce_unused_params and all(
+                    i in self.unused_search.unused for i in bucket.param_indices)):
+                self.all_reduce_bucket(bucket)
             step.next_bucket += 1
 
-    def _launch(self, bucket: bucketing.Bucket) -> None:
-        grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.buckets))
+    def all_reduce_bucket(self, bucket: bucketing.Bucket) -> None:
+        """Start ``bucket``'s collective: shared memory where it lives there, else the
+        comm-hook door (a registered hook, or the default all-reduce)."""
+        grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.layout.buckets))
         if self.trace is not None:
             self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
         if self.runtime_log is not None:
@@ -220,62 +487,79 @@ class Reducer(TorchReducerAPI, ReducerState):
                     self.runtime_log.record_error(err)
                 raise
         else:
-            with naming_collective(self.rank, lambda: self._describe(bucket)):
+            with naming_collective(self.rank, lambda: self.describe(bucket)):
                 bucket.future = self.transport.all_reduce(bucket.buffer) \
-                    if self._through_transport(bucket) else allreduce_sum_hook(self.group,
-                                                                                grad_bucket)
+                    if self._through_transport(bucket) else launch_hook(None, None, self.group,
+                                                                        grad_bucket)
         if self.trace is not None:  # lets a recorder log when the collective really ends
             self.trace.record("launched", bucket=bucket.index, future=bucket.future)
         if self.flight is not None:
-            self.flight.launched(self.num_iterations, bucket)
+            self.flight.launched(self.step.num_iterations, bucket)
 
     def delay_all_reduce(self) -> None:
         """Static graph, first iteration: reduce everything once backward has finished.
 
         In iteration 1 the hooks only count how often each parameter's gradient arrives; this
         (queued by the model's output sink) then copies every gradient in and reduces all
-        buckets, through steps 2-4 above (DDP's ``delay_all_reduce``).
+        buckets, through steps 2-5 above (DDP's ``delay_all_reduce``).
         """
+        buckets = self.layout.buckets
         with self._lock:
-            self.unused_search.launch_map_reduce(lambda: self._describe(None))
+            self.unused_search.launch_map_reduce(lambda: self.describe(None))
             self.unused_search.unused = [i for i, c in enumerate(self.step.static_hook_counts)
                                          if c == 0]
             self.step.require_finalize = True
-            for bucket in self.buckets:
+            for bucket in buckets:
                 for position in range(len(bucket.params)):
-                    self._copy_in(bucket, position)
-            for bucket in self.buckets:
-                flush_if_batched(bucket, self.config, hooked=self.comm_hook is not None,
-                                 div_factor=self.div_factor)
-                self._launch(bucket)
-            self.step.next_bucket = len(self.buckets)
-        self.finish_grad_sync()
+                    self.copy_grad_in(bucket, position)
+            for bucket in buckets:
+                if self.config.batched_grad_copy:
+                    self.flush_batched(bucket)
+                self.all_reduce_bucket(bucket)
+            self.step.next_bucket = len(buckets)
+        self.finalize_backward()
 
-    # ---- 4. wait and write back ----------------------------------------------------------
+    # ---- 4. wait -------------------------------------------------------------------------
     def wait(self, future: torch.futures.Future, bucket: bucketing.Bucket | None) -> Any:
         """The one place that blocks: wait for ``future`` with the configured deadline.
 
         ``bucket`` (None: the used-map all-reduce) names what is waited for in a timeout, a
-        stall report (``on_stall``) and a collective's failure.
+        stall report and a collective's failure. The wait itself is
+        :func:`mini_ddp.transport.wait.wait_done` — which, for a result on a GPU, waits until
+        the GPU has run the collective (NCCL's futures are done at launch), so the deadline and
+        the stall report mean the same on NCCL as on Gloo. The stall observer (``on_stall``)
+        is told once the wait is slow and again when the collective fails; either may raise,
+        else the wait goes on.
         """
         on_stall = self.on_stall
-
-        def timed_out() -> GradSyncTimeout:
+        slow = None if on_stall is None else lambda: on_stall(self, bucket, None)
+        if not wait_done(future, self.config.sync_timeout_s, stall_after_s=self.stall_after_s,
+                         on_slow=slow):
             error = GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket, self.names,
-                                    len(self.buckets))
+                                    len(self.layout.buckets))
             if self.flight is not None:  # what led here, for `python -m mini_ddp doctor`
                 self.flight.dump(f"GradSyncTimeout: {error}")
-            return error
+            raise error
+        if on_stall is not None:
+            try:
+                future.wait()
+            except Exception as error:  # noqa: BLE001 - raised again by the wait below
+                on_stall(self, bucket, error)  # a dead peer: the observer names it from marks
+        # A dead peer fails the collective (Gloo notices a closed socket at once): name it.
+        with naming_collective(self.rank, lambda: self.describe(bucket)):
+            try:
+                return future.wait()
+            except MiniDDPError as err:
+                if bucket is None or not isinstance(err, (CollectiveError, ShmError)):
+                    raise
+                # The shared-memory transport's own error names a slot: name the bucket, with
+                # the backend's words (a CollectiveError of the transport keeps them as cause).
+                cause = err.__cause__ if isinstance(err, CollectiveError) else None
+                raise CollectiveError(self.rank, self.describe(bucket), cause or err) from err
 
-        return wait_for_collective(
-            future, rank=self.rank, timeout_s=self.config.sync_timeout_s,
-            describe=lambda: self._describe(bucket), names_a_bucket=bucket is not None,
-            timed_out=timed_out,
-            on_stall=None if on_stall is None else lambda err: on_stall(self, bucket, err),
-            stall_after_s=self.stall_after_s)
-
-    def _describe(self, bucket: bucketing.Bucket | None) -> str:
-        what = describe_bucket(bucket, self.names, len(self.buckets))
+    def describe(self, bucket: bucketing.Bucket | None) -> str:
+        """What a wait for ``bucket`` (None: the used map) waits for, in errors' words."""
+        what = describe_bucket(bucket, self.names, len(self.layout.buckets))
         if bucket is not None and self.comm_hook is None and self._through_transport(bucket):
             what += " through shared memory"
         if bucket is not None and self.comm_hook is not None:
@@ -283,37 +567,40 @@ class Reducer(TorchReducerAPI, ReducerState):
             what += f" through communication hook {hook}"
         return what
 
-    def finish_grad_sync(self) -> None:
+    # ---- 5. write back -------------------------------------------------------------------
+    def finalize_backward(self) -> None:
         """Wait for every bucket, then put the averaged gradients into ``param.grad``."""
+        config = self.config
         with self._lock:
             if self.trace is not None:
                 self.trace.record("finalize_start")  # backward's compute has ended
             if self.runtime_log is not None:
                 self.runtime_log.mark(BACKWARD_COMPUTE_END)
             self.step.finish()
-            if self.config.static_graph and self.step.num_backward_calls > 1 \
+            if config.static_graph and self.step.num_backward_calls > 1 \
                     and self.layout.should_rebuild():
                 self.layout.record_ready(*self.unused_search.unused)
-            track_unused = self.config.static_graph or self.config.find_unused_parameters
-            plain = not track_unused and not self.config.gradient_as_bucket_view
+            track_unused = config.static_graph or config.find_unused_parameters
+            plain = not track_unused and not config.gradient_as_bucket_view
             skip = (lambda index: self.unused_search.globally_unused(index, self.wait)) \
                 if track_unused else None
-            for bucket in self.buckets:
+            for bucket in self.layout.buckets:
                 if bucket.future is None:
                     continue  # skipped: all its parameters unused (skip_all_reduce_unused_params)
                 value = self.wait(bucket.future, bucket)
                 if self.flight is not None:
                     self.flight.completed(bucket.index)
                 if bucket.sparse:  # the result goes into the bucket, which is the .grad
-                    sparse_write_back(bucket, value)
+                    bucketing.sparse_write_back(bucket, value)
                     continue
                 result = result_tensor(value, self.comm_hook, bucket.grad_bucket)
                 if self.trace is not None:
                     self.trace.record("complete", bucket=bucket.index)
                 writeback.write_back_bucket(bucket, result, plain=plain, zero_copy=self.zero_copy,
-                                            as_bucket_view=self.config.gradient_as_bucket_view,
+                                            as_bucket_view=config.gradient_as_bucket_view,
                                             skip=skip)
-            self.unused_search.finish(self.wait)
+            if track_unused:  # the used map: nothing to wait for or reset otherwise
+                self.unused_search.finish(self.wait)
             if self.runtime_log is not None:
                 self.runtime_log.mark(BACKWARD_COMM_END)
             if self.trace is not None:
@@ -323,4 +610,4 @@ class Reducer(TorchReducerAPI, ReducerState):
 def _hook_trampoline(reducer_ref: weakref.ref, index: int, *_grads: Any) -> None:
     reducer = reducer_ref()
     if reducer is not None:
-        reducer.on_grad_accumulated(index)
+        reducer.autograd_hook(index)

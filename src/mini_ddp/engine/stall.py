@@ -11,9 +11,9 @@ waits for the process group's timeout, and so does ``sync_timeout_s`` by default
 
 This is Horovod's stall check, without its coordinator: each waiting rank asks the store.
 It then asks each late rank *where* it is — its Python stacks, answered by the rank's stack
-responder thread (:mod:`mini_ddp.engine.stack_responder`) through the same store — and puts
+responder thread (:class:`StackResponder`, below) through the same store — and puts
 them in the report, or says the rank did not answer (native code holding the GIL, or dead).
-Every rank involved writes its flight recorder dump (:mod:`mini_ddp.engine.flight_log`), for
+Every rank involved writes its flight recorder dump (:class:`FlightLog`, below), for
 ``python -m mini_ddp doctor DIR``.
 
 Cost on the happy path: nothing per step — no collective, no store access; the store is used
@@ -22,30 +22,476 @@ blocked in one ``store.wait`` on its own connection) and the flight log (a ``deq
 per bucket launch). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on this class: it
 leaves marks at every bucket launch (so the report can say which parameters a rank never
 produced) and can raise instead of warn.
+
+**Where is a rank?** Its Python stack, asked for through the process group's store.
+
+When a stall warning names a late rank, the waiting rank asks that rank *where* it is, the way
+``py-spy dump`` would, but without logging into its host: every rank of a model runs one small
+daemon thread, a :class:`StackResponder`, that blocks in ``store.wait`` on its own request key
+(``ask/<rank>``). :func:`ask_stacks` sets that key; the responder wakes, formats the Python stacks
+of the threads that matter — the main thread, and any other thread inside mini_ddp's gradient
+path (the thread running backward, when it is not the main one) — with :mod:`traceback`, and
+writes them under ``stack/<rank>``. It works across hosts and on every backend, because the
+only channel is the store every rank already shares.
+
+Cost on the happy path: none per step. The responder's one ``store.wait`` sits on a connection
+of its own (a TCPStore client serialises its requests, so a wait on the shared connection would
+block every other store call of the process); the thread holds no lock and never runs until
+asked. Asking costs, per late rank: one ``add`` and one ``set`` from each asker, the responder's
+``get``/``delete``/``add``/``set`` (requests that arrive together are answered once), and the
+asker's polls of the answer key every 50 ms until it comes (usually within one poll) or
+``answer_s`` passes. See docs/reliability.md for how that scales.
+
+A rank whose threads cannot run Python — stuck in native code that holds the GIL, or dead —
+cannot answer; :func:`ask_stacks` then says so ("did not answer within N s").
+
+**The flight recorder**: each rank's last N bucket collectives, dumped when sync goes wrong.
+
+Every model watched by the stall warning keeps a :class:`FlightLog` on its reducer: a ring
+buffer (``collections.deque(maxlen=N)``) of the collectives the reducer launched — sequence
+number, step, bucket, bytes, when it launched and when it completed. Recording is one list and
+one ``deque.append`` per launch, and a stamp when the reducer's wait for it returns.
+
+A dump writes this rank's ring, its own Python stacks and why it dumped into a directory: the
+keyword ``dump_dir`` (:func:`mini_ddp.observe.flight_recorder.flight_recorder`), else the
+environment variable ``MINI_DDP_FLIGHT_DIR``, else ``./mini_ddp_flight`` — created only when a
+dump happens. Two files per rank:
+
+* ``rank<R>.json`` — mini_ddp's format, read by ``python -m mini_ddp doctor DIR``;
+* ``mini_ddp_fr_<R>`` — torch's flight-recorder format (a pickle of ``{"version",
+  "pg_config", "entries"}``, one entry per collective with ``collective_seq_id``, sizes, dtypes
+  and state), so torch's own analyser reads the same dumps:
+  ``python -m torch.distributed.flight_recorder.fr_trace DIR``.
+
+A rank dumps on a stall warning (the waiting ranks, and every late rank when it is asked for
+its stack), on ``GradSyncTimeout``, on a failed collective, and on demand: ``kill -USR1 <pid>``
+when ``MINI_DDP_FLIGHT_SIGNAL=1`` is set or :func:`install_dump_signal` was called (the handler
+is installed when the main thread creates the first log and SIGUSR1 has no other Python
+handler; Python runs it in the main thread, so a main thread blocked inside a C call dumps when
+that call returns — the store-based ask does not wait for that).
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import datetime
 import itertools
 import json
 import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import sysconfig
+import threading
 import time
+import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from mini_ddp.engine.flight_log import FlightLog, install_dump_signal
-from mini_ddp.engine.stack_responder import (
-    ANSWER_S,
-    StackResponder,
-    ask_stacks,
-    describe_answer,
-    start_responder,
-)
-
 logger = logging.getLogger("mini_ddp")
+
+
+# ---- where is a rank: the stack responder ----------------------------------------------
+
+ANSWER_S = 5.0
+"""How long an asker waits for a rank's stack before naming it as one that did not answer."""
+MAX_FRAMES = 14
+"""Innermost frames kept per thread (the outer ones are the launcher's and the harness's)."""
+_POLL_S = 0.05
+_WAIT = datetime.timedelta(hours=12)  # the responder's store.wait: re-armed when it expires
+_ENGINE_DIR = str(Path(__file__).resolve().parent)
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+                      | {str(Path(__file__).resolve().parents[1])})
+
+
+def _in_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) or filename.startswith("<")
+
+
+def thread_stacks(skip: int | None = None) -> list[dict[str, Any]]:
+    """This process's stacks worth showing: the main thread, and every other thread with a
+    frame in mini_ddp's engine (where gradient hooks and the end-of-backward wait run).
+
+    Each entry: ``{"thread", "main", "frames": [[file, line, function, source], ...],
+    "where": "function (file:line)"}`` — frames oldest first (as a Python traceback), at most
+    :data:`MAX_FRAMES`; ``where`` is the innermost frame outside torch, mini_ddp and the
+    standard library (the user's line), else the innermost frame. ``skip``: a thread ident
+    to leave out (the responder's own).
+    """
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    found = []
+    for ident, frame in sys._current_frames().items():
+        if ident == skip:
+            continue
+        summary = traceback.extract_stack(frame)
+        if ident != main and not any(f.filename.startswith(_ENGINE_DIR) for f in summary):
+            continue
+        # From the first frame of the user's own (the launcher's bootstrap before it is noise).
+        first = next((i for i, f in enumerate(summary) if not _in_library(f.filename)), 0)
+        frames = [[f.filename, f.lineno, f.name, (f.line or "").strip()]
+                  for f in summary[first:][-MAX_FRAMES:]]
+        user = next((f for f in reversed(summary) if not _in_library(f.filename)),
+                    summary[-1] if summary else None)
+        found.append({"thread": names.get(ident, str(ident)), "main": ident == main,
+                      "frames": frames,
+                      "where": "" if user is None
+                      else f"{user.name} ({user.filename}:{user.lineno})"})
+    found.sort(key=lambda t: not t["main"])
+    return found
+
+
+def _short(path: str) -> str:
+    """``path`` relative to the current directory when it lies below it (as pytest shows)."""
+    here = os.getcwd() + os.sep
+    return path[len(here):] if path.startswith(here) else path
+
+
+def format_stacks(threads: list[dict[str, Any]], indent: str = "    ") -> str:
+    """The text of :func:`thread_stacks`' result, most recent call last, one line a frame."""
+    lines = []
+    for t in threads:
+        where = t["where"]
+        if where.endswith(")") and " (" in where:
+            name, _, place = where[:-1].partition(" (")
+            where = f"{name} ({_short(place)})"
+        lines.append(f"{indent}thread {t['thread']!r}{' (main)' if t['main'] else ''}, "
+                     f"in {where}:")
+        for filename, line, function, source in t["frames"]:
+            lines.append(f"{indent}  {_short(filename)}:{line} in {function}"
+                         + (f": {source}" if source else ""))
+    return "\n".join(lines)
+
+
+class StackResponder:
+    """One rank's answering thread; ``stop()`` ends it (also called when the model goes).
+
+    ``store`` is the prefixed store the askers use; the responder waits on a clone of it (its
+    own connection). ``on_ask(stacks, request)`` runs in the thread after each answer — the
+    flight recorder dumps there — and is held weakly, so the thread keeps nothing alive.
+    """
+
+    def __init__(self, store: Any, rank: int,
+                 on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None):
+        self.rank = rank
+        self._store = store  # the shared connection: only stop() uses it, to wake the thread
+        self._stop = threading.Event()
+        own = store.clone()  # raises for stores that cannot open a second connection
+        callback = None if on_ask is None else weakref.WeakMethod(on_ask) \
+            if hasattr(on_ask, "__self__") else (lambda: on_ask)
+        self.thread = threading.Thread(target=_serve, args=(own, rank, self._stop, callback),
+                                       name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """End the thread: set the stop flag, then wake its wait (idempotent, never raises)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self._store.set(f"ask/{self.rank}", json.dumps({"stop": True}))
+        except Exception:  # noqa: BLE001 - the store is gone: the thread's wait fails too
+            pass
+
+
+_RESPONDERS: weakref.WeakSet[StackResponder] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_responders_at_exit() -> None:
+    """Stop and join every live responder before the interpreter finalises.
+
+    A daemon thread still inside the store's C++ wait when Python shuts down is ended by
+    forced unwinding through C++ frames on its way back to the GIL, and the process aborts
+    ("terminate called without an active exception") after the script has finished. atexit
+    runs while the stores still work, so each wait is woken and returns normally.
+    """
+    live = list(_RESPONDERS)
+    for responder in live:
+        responder.stop()
+    for responder in live:
+        responder.thread.join(timeout=2.0)
+
+
+def start_responder(store: Any, rank: int, owner: Any,
+                    on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None
+                    ) -> StackResponder | None:
+    """A :class:`StackResponder` that stops when ``owner`` is garbage-collected (None when the
+    store cannot give the thread a connection of its own: then nobody can ask this rank)."""
+    try:
+        responder = StackResponder(store, rank, on_ask)
+    except Exception as error:  # noqa: BLE001 - e.g. a HashStore: stacks just go unasked
+        logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
+        return None
+    weakref.finalize(owner, responder.stop).atexit = False  # exit: _stop_responders_at_exit
+    _RESPONDERS.add(responder)
+    return responder
+
+
+def _serve(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
+    ask, count, answer = f"ask/{rank}", f"asked/{rank}", f"stack/{rank}"
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            store.wait([ask], _WAIT)
+        except Exception:  # noqa: BLE001 - expired (re-arm) or the store is gone (end)
+            if stop.is_set() or time.monotonic() - started < 60:
+                return  # not the long wait expiring: the store failed
+            try:
+                store = store.clone()  # a fresh connection: a timed-out one may be confused
+            except Exception:  # noqa: BLE001
+                return
+            continue
+        try:
+            request = json.loads(store.get(ask))
+            store.delete_key(ask)
+            if stop.is_set() or request.get("stop"):
+                return
+            generation = store.add(count, 0)  # every request counted so far gets this answer
+            stacks = thread_stacks(skip=threading.get_ident())
+            store.set(answer, json.dumps({"generation": generation, "time": time.time(),
+                                          "asked_at": request.get("time"), "stacks": stacks}))
+        except Exception:  # noqa: BLE001 - the store went away while answering
+            return
+        on_ask = None if callback is None else callback()
+        if on_ask is not None:
+            try:
+                on_ask(stacks, request)
+            except Exception:  # noqa: BLE001 - a failed dump must not end the responder
+                logger.exception("mini_ddp: rank %d could not write its flight recorder dump",
+                                 rank)
+
+
+def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,
+               asked_by: int | None = None, why: str = "") -> dict[int, dict[str, Any]]:
+    """Ask each of ``ranks`` for its stacks; wait up to ``answer_s`` for all of them.
+
+    Returns ``{rank: answer}``: an answer is ``{"answered": True, "stacks": [...], "time"}``, or
+    ``{"answered": False, "waited_s": answer_s}`` for a rank that did not answer in time.
+    """
+    now = time.time()
+    generations = {}
+    for rank in ranks:
+        generations[rank] = store.add(f"asked/{rank}", 1)
+        store.set(f"ask/{rank}", json.dumps({"from": asked_by, "time": now, "why": why,
+                                                  "answer_s": answer_s}))
+    found: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + answer_s
+    while True:
+        for rank in ranks:
+            key = f"stack/{rank}"
+            if rank in found or not store.check([key]):
+                continue
+            reply = json.loads(store.get(key))
+            if reply["generation"] >= generations[rank]:
+                found[rank] = {"answered": True, "stacks": reply["stacks"],
+                               "time": reply["time"]}
+        if len(found) == len(ranks) or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    for rank in ranks:
+        found.setdefault(rank, {"answered": False, "waited_s": answer_s})
+    return found
+
+
+def describe_answer(rank: int, answer: dict[str, Any]) -> str:
+    """The report's lines for one rank's answer (or its silence)."""
+    if not answer["answered"]:
+        return (f"    rank {rank} did not answer within {answer['waited_s']:g} s: no Python "
+                "thread of it can run (stuck in native code that holds the GIL), or its process "
+                "is gone")
+    return f"    where rank {rank} is (Python stacks, most recent call last):\n" + \
+        format_stacks(answer["stacks"], indent="      ")
+
+
+# ---- the flight recorder ----------------------------------------------------------------
+
+DEFAULT_ENTRIES = 2000
+"""Collectives kept per rank (torch's ``TORCH_NCCL_TRACE_BUFFER_SIZE`` default is 2000 too);
+``MINI_DDP_FLIGHT_ENTRIES`` overrides it."""
+DEFAULT_DIR = "mini_ddp_flight"
+TORCH_PREFIX = "mini_ddp_fr_"
+"""File-name prefix of the torch-format dumps (torch's analyser infers it from the names)."""
+TORCH_FORMAT_VERSION = "2.10"
+"""The flight-recorder format version the torch-format dumps declare (torch 2.14 reads it)."""
+
+# entry fields, kept as a list so the done-callback can stamp it in place
+SEQ, STEP, BUCKET, NBYTES, NUMEL, DTYPE, LAUNCHED, COMPLETED, STATE = range(9)
+_LIVE: weakref.WeakSet[FlightLog] = weakref.WeakSet()
+_signal_installed = False
+_WRITES = itertools.count()
+
+
+class FlightLog:
+    """One reducer's ring of collectives, and how to dump it."""
+
+    def __init__(self, rank: int, world_size: int, group_name: str = "0", backend: str = "",
+                 entries: int | None = None, dump_dir: str | os.PathLike | None = None,
+                 reducer: Any = None):
+        size = entries or int(os.environ.get("MINI_DDP_FLIGHT_ENTRIES", DEFAULT_ENTRIES))
+        self.rank, self.world_size, self.group_name, self.backend = (rank, world_size,
+                                                                     group_name, backend)
+        self.ring: collections.deque[list] = collections.deque(maxlen=size)
+        self.dump_dir = dump_dir
+        self.seq = 0
+        self.step = 0  # kept up to date by the reducer's launches
+        self._open: dict[int, list] = {}  # bucket index -> its entry, until seen complete
+        # Read at dump time, weakly: the log must not keep its model alive.
+        self._reducer = None if reducer is None else weakref.ref(reducer)
+        # Reentrant: SIGUSR1's handler may run in the main thread in the middle of a dump.
+        self._lock = threading.RLock()
+        _LIVE.add(self)
+
+    # ---- recording (the reducer's launch) -------------------------------------------------
+    def launched(self, step: int, bucket: Any) -> None:
+        """Record the launch of ``bucket``'s collective (state ``started``)."""
+        buffer = bucket.buffer
+        entry = [self.seq, step, bucket.index, bucket.nbytes, buffer.numel(), buffer.dtype,
+                 time.time_ns(), None, "started"]
+        self.seq += 1
+        self.step = step
+        self.ring.append(entry)
+        self._open[bucket.index] = entry
+
+    def completed(self, bucket_index: int, state: str = "completed") -> None:
+        """The reducer's wait for bucket ``bucket_index`` returned (or, ``state="failed"``, its
+        collective failed): stamp the entry. As torch's ``time_discovered_completed_ns``, this
+        is when the rank *saw* the completion — no callback runs on the backend's thread."""
+        entry = self._open.pop(bucket_index, None)
+        if entry is not None:
+            entry[COMPLETED], entry[STATE] = time.time_ns(), state
+
+    # ---- dumping ----------------------------------------------------------------------------
+    def directory(self) -> Path:
+        """Where dumps go: ``dump_dir``, else ``$MINI_DDP_FLIGHT_DIR``, else ./mini_ddp_flight."""
+        return Path(self.dump_dir or os.environ.get("MINI_DDP_FLIGHT_DIR") or DEFAULT_DIR)
+
+    def snapshot(self, reason: str, stacks: list[dict[str, Any]] | None = None,
+                 **extra: Any) -> dict[str, Any]:
+        """This rank's dump as a JSON-ready dict (``stacks`` default: taken now; ``extra``
+        entries are added as they are: ``report``, the stall report's text, and ``peers``,
+        ``{rank: answer}`` of the ranks it asked for their stacks)."""
+        entries = [{"seq": e[SEQ], "step": e[STEP], "bucket": e[BUCKET], "bytes": e[NBYTES],
+                    "numel": e[NUMEL], "dtype": str(e[DTYPE]).removeprefix("torch."),
+                    "launched_ns": e[LAUNCHED], "completed_ns": e[COMPLETED], "state": e[STATE]}
+                   for e in list(self.ring)]  # list(): an atomic copy
+        return {"format": "mini_ddp flight recorder", "version": 1, "rank": self.rank,
+                "world_size": self.world_size, "group": self.group_name,
+                "backend": self.backend, "host": socket.gethostname(), "pid": os.getpid(),
+                "time": time.time(), "reason": reason, "step": self.step,
+                "progress": self.progress(), "entries": entries,
+                "stacks": thread_stacks() if stacks is None else stacks,
+                "report": None, "peers": {}, **extra}
+
+    def progress(self) -> dict[str, Any]:
+        """Where the reducer is now: its step, the next bucket to launch, the buckets' names."""
+        reducer = None if self._reducer is None else self._reducer()
+        if reducer is None:
+            return {}
+        names = reducer.names
+        return {"step": reducer.step.num_iterations, "next_bucket": reducer.step.next_bucket,
+                "buckets": [[names[i] for i in b.param_indices] for b in reducer.layout.buckets]}
+
+    def dump(self, reason: str, stacks: list[dict[str, Any]] | None = None,
+             **extra: Any) -> Path | None:
+        """Write ``rank<R>.json`` and the torch-format file; return the JSON path (None and a
+        logged error when the directory cannot be written: a dump must not end the job)."""
+        dump = self.snapshot(reason, stacks, **extra)
+        folder = self.directory()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with self._lock:  # the responder thread and the main thread may both dump
+                path = folder / f"rank{self.rank}.json"
+                _write_atomically(path, json.dumps(dump, indent=1).encode())
+                _write_atomically(folder / f"{TORCH_PREFIX}{self.rank}",
+                                  pickle.dumps(torch_format(dump)))
+        except OSError as error:
+            logger.error("mini_ddp: rank %d could not write its flight recorder dump to %s: %s",
+                         self.rank, folder, error)
+            return None
+        logger.info("mini_ddp: rank %d wrote its flight recorder dump (%s) to %s",
+                    self.rank, reason, path)
+        return path
+
+    def on_ask(self, stacks: list[dict[str, Any]], request: dict[str, Any]) -> None:
+        """The stack responder's callback: a peer asked where this rank is; dump, with the
+        stacks it was sent (and how late the answer came, when the asker had given up)."""
+        asked_at = request.get("time", time.time())
+        after = time.time() - asked_at
+        late = {"answered_late_s": round(after, 3)} if after > request.get("answer_s", after) \
+            else {}
+        self.dump(f"asked for its stack by rank {request.get('from')} "
+                  f"({request.get('why') or 'a stall'})", stacks, asked_at=asked_at, **late)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.{next(_WRITES)}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # a reader (the doctor) never sees half a file
+
+
+def torch_format(dump: dict[str, Any]) -> dict[str, Any]:
+    """``dump`` (from :meth:`FlightLog.snapshot`) in torch's flight-recorder format.
+
+    Each bucket collective becomes an ``all_reduce`` entry of the group, its sequence number the
+    ``collective_seq_id`` (the analyser lines ranks up by it), its bucket's element count the
+    input and output size; states map to torch's (``started`` / ``completed``). What torch's
+    format has no field for (step, bucket, stacks, the stall report) stays in the JSON dump.
+    """
+    backend = "nccl" if dump["backend"] == "nccl" else "gloo"
+    group = (dump["group"], "default_pg" if dump["group"] == "0" else dump["group"])
+    entries = []
+    for e in dump["entries"]:
+        done = e["completed_ns"]
+        entries.append({
+            "record_id": e["seq"], "pg_id": 0, "process_group": group,
+            "collective_seq_id": e["seq"], "p2p_seq_id": 0, "op_id": e["seq"],
+            "profiling_name": f"{backend}:all_reduce", "time_created_ns": e["launched_ns"],
+            "input_sizes": [[e["numel"]]], "output_sizes": [[e["numel"]]],
+            "input_dtypes": [_TORCH_DTYPES.get(e["dtype"], e["dtype"])],
+            "output_dtypes": [_TORCH_DTYPES.get(e["dtype"], e["dtype"])],
+            "state": "completed" if e["state"] == "completed" else "started",
+            "time_discovered_started_ns": e["launched_ns"],
+            "time_discovered_completed_ns": done, "retired": done is not None,
+            "timeout_ms": 0, "is_p2p": False, "frames": [],
+            "duration_ms": None if done is None else (done - e["launched_ns"]) / 1e6})
+    ranks = str(list(range(dump["world_size"])))
+    return {"version": TORCH_FORMAT_VERSION, "entries": entries,
+            "pg_config": {group[0]: {"name": group[0], "desc": group[1], "ranks": ranks}},
+            "pg_status": {}}
+
+
+_TORCH_DTYPES = {"float32": "Float", "float64": "Double", "float16": "Half",
+                 "bfloat16": "BFloat16", "int64": "Long", "int32": "Int"}
+
+
+def dump_all(reason: str) -> list[Path]:
+    """Dump every live flight log of this process (what SIGUSR1 does)."""
+    return [p for log in list(_LIVE) if (p := log.dump(reason)) is not None]
+
+
+def install_dump_signal() -> bool:
+    """Make SIGUSR1 dump every flight log of this process, once, if allowed: only from the
+    main thread, and only while SIGUSR1 has its default action (a user's handler stays)."""
+    global _signal_installed
+    sig = getattr(signal, "SIGUSR1", None)
+    if _signal_installed or sig is None or threading.current_thread() is not \
+            threading.main_thread() or signal.getsignal(sig) is not signal.SIG_DFL:
+        return _signal_installed
+    signal.signal(sig, lambda *_: dump_all("on demand (SIGUSR1)"))
+    _signal_installed = True
+    return True
+
+
+# ---- the stall warning ------------------------------------------------------------------
 _SESSIONS = itertools.count()  # same sequence on every rank: monitors are made in lockstep
 ARRIVAL_GRACE_S = 2.0
 """How long a waiting rank gives its peers to leave their marks before naming those that did
@@ -70,7 +516,7 @@ class StallReport:
     missing_params: list[str]  # parameters without a gradient here this step
     marks: dict[int, dict | None] = field(default_factory=dict)
     culprits: dict[int, str] = field(default_factory=dict)  # rank -> why it holds things up
-    stacks: dict[int, dict] = field(default_factory=dict)  # rank -> its answer (stack_responder)
+    stacks: dict[int, dict] = field(default_factory=dict)  # rank -> its answer (StackResponder)
 
     def __str__(self) -> str:
         head = f"mini_ddp stall report from rank {self.rank} (step {self.step}): "
@@ -177,13 +623,17 @@ class StallMonitor:
 
     def _start_flight_log_and_responder(self) -> None:
         r = self.reducer
-        if not hasattr(r, "buckets"):
+        if not hasattr(r, "layout"):
             return  # a stand-in reducer (tests of the install/remove bookkeeping)
         if getattr(r, "flight", None) is None:
             group = r.group if r.group is not None else dist.group.WORLD
             r.flight = FlightLog(r.rank, r.world_size, str(getattr(group, "group_name", "0")),
                                  str(dist.get_backend(group)), reducer=r)
-            install_dump_signal()
+            if os.environ.get("MINI_DDP_FLIGHT_SIGNAL", "") not in ("", "0"):
+                # Opt-in: a process-wide signal is not a library's to take by default, and
+                # faulthandler.register(SIGUSR1) — how hang stacks are usually taken — is
+                # invisible to signal.getsignal, so installing would silently replace it.
+                install_dump_signal()
         if self._responder is None and r.world_size > 1:
             store = self._store
             if store is None:  # a store of its own: the happy path leaves self.store unopened
@@ -215,17 +665,17 @@ class StallMonitor:
     def publish(self, state: str, launched: int, **extra: Any) -> None:
         """Leave this rank's mark: its step, how many buckets it launched, and ``state``."""
         r = self.reducer
-        mark = {"step": r.num_iterations, "state": state, "launched": launched,
-                "buckets": len(r.buckets), "time": time.time(), **extra}
+        mark = {"step": r.step.num_iterations, "state": state, "launched": launched,
+                "buckets": len(r.layout.buckets), "time": time.time(), **extra}
         if state in ("ended_unfinished", "waiting", "failed"):
             mark["missing"] = self.missing()
-            mark["pending"] = [b.index for b in r.buckets[r.next_bucket:]]
+            mark["pending"] = [b.index for b in r.layout.buckets[r.step.next_bucket:]]
         self.store.set(f"rank{r.rank}", json.dumps(mark))
 
     def missing(self) -> list[str]:
         """This rank's parameters that have no gradient yet in the current backward."""
         r = self.reducer
-        return [r.names[i] for i in range(len(r.params)) if i not in r.ready]
+        return [r.names[i] for i in range(len(r.params)) if i not in r.step.ready]
 
     def marks(self) -> dict[int, dict | None]:
         """Every rank's latest mark (None: it left none)."""
@@ -244,7 +694,7 @@ class StallMonitor:
             self.failed(bucket)
             self.dump(f"collective failed: {type(error).__name__}: {error}")
             return
-        self.publish("waiting", launched=reducer.next_bucket,
+        self.publish("waiting", launched=reducer.step.next_bucket,
                      waiting_for=None if bucket is None else bucket.index)
         report = self.report(bucket, None)
         if report is not None:
@@ -296,29 +746,29 @@ class StallMonitor:
             # Peers mark only when their own wait passes the limit: give them a moment, and
             # stop early once they all have (or the collective finished: no stall to report).
             deadline = time.monotonic() + min(self.limit_s, ARRIVAL_GRACE_S)
-            while not all(m is not None and m["step"] >= r.num_iterations
+            while not all(m is not None and m["step"] >= r.step.num_iterations
                           for m in marks.values()) and time.monotonic() < deadline:
                 if bucket is not None and bucket.future is not None and bucket.future.done():
                     return None
                 time.sleep(0.05)
                 marks = self.marks()
         report = StallReport(
-            r.rank, r.world_size, r.num_iterations, index,
+            r.rank, r.world_size, r.step.num_iterations, index,
             [] if bucket is None else [r.names[i] for i in bucket.param_indices],
             self.limit_s if error is None and bucket is not None else 0.0,
             None if error is None else f"{type(error).__name__}: {error}",
-            [b.index for b in r.buckets[r.next_bucket:]], self.missing(), marks)
+            [b.index for b in r.layout.buckets[r.step.next_bucket:]], self.missing(), marks)
         for rank, mark in marks.items():
             if rank == r.rank:
                 continue
-            if not self.eager_marks and (mark is None or mark["step"] < r.num_iterations):
+            if not self.eager_marks and (mark is None or mark["step"] < r.step.num_iterations):
                 what = "the unused-parameter map" if index is None else f"bucket {index}"
                 report.culprits[rank] = (
-                    f"has not reached {what} of step {r.num_iterations}: it is slow or stuck "
+                    f"has not reached {what} of step {r.step.num_iterations}: it is slow or stuck "
                     f"before it (no mark from it within {min(self.limit_s, ARRIVAL_GRACE_S):g}"
                     " s of this one)")
                 continue
-            why = holds_up(mark, r.num_iterations, index)
+            why = holds_up(mark, r.step.num_iterations, index)
             if why:
                 report.culprits[rank] = why
         return report

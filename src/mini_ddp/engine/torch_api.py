@@ -162,7 +162,7 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
         "backend_name": str(dist.get_backend(model.process_group)),
         # The construction-time layout, as DDP's logger records it (never updated).
         "bucket_sizes": ", ".join(str(_nbytes(params, indices))
-                                  for indices in reducer.layout_history[0]),
+                                  for indices in reducer.layout.history[0]),
         "device_ids": "" if not model.device_ids else ", ".join(map(str, model.device_ids)),
         "dtypes": ", ".join(sorted({_C10_NAMES.get(p.dtype, str(p.dtype)) for p in params})),
         "module_name": type(model.module).__name__,
@@ -170,11 +170,11 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     strs.update({key: os.environ.get(var, "N/A") for key, var in _ENV_KEYS.items()})
     if comm_hook is not None:
         strs["comm_hook"] = comm_hook
-    if reducer.has_rebuilt:
+    if reducer.layout.has_rebuilt:
         strs["rebuilt_bucket_sizes"] = ", ".join(str(_nbytes(params, b.param_indices))
-                                                 for b in reducer.buckets)
+                                                 for b in reducer.layout.buckets)
         strs["rebuilt_per_bucket_param_indices"] = ", ".join(
-            " ".join(map(str, b.param_indices)) for b in reducer.buckets)
+            " ".join(map(str, b.param_indices)) for b in reducer.layout.buckets)
     if log.error is not None:
         strs["error"] = log.error
     ints: dict[str, int] = {
@@ -201,8 +201,8 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     if log.error is not None:
         ints["has_error"] = 1
     if log.iteration > 0:
-        ints["has_rebuilt_buckets"] = int(reducer.has_rebuilt)
-        ints["num_buckets_reduced"] = len(reducer.buckets)
+        ints["has_rebuilt_buckets"] = int(reducer.layout.has_rebuilt)
+        ints["num_buckets_reduced"] = len(reducer.layout.buckets)
         ints["unused_parameter_size"] = _nbytes(params, _unused(reducer))
         ints.update(log.stats)
         if log.ready_order is not None:
@@ -233,7 +233,7 @@ class TorchReducerAPI:
     """torch's reducer methods (a base of :class:`~mini_ddp.engine.reducer.Reducer`: each
     answers torch's name with the reducer's own verb, over its buckets, step state, hooks and
     unused-parameter search). A backward nobody armed is never left silently local
-    (:class:`~mini_ddp.engine.step_state.UnarmedBackwardError`)."""
+    (:class:`~mini_ddp.engine.reducer.UnarmedBackwardError`)."""
 
     runtime_log: RuntimeLog | None = None  # the model's logging data (set by the model)
 
@@ -247,7 +247,7 @@ class TorchReducerAPI:
 
     def _autograd_hook(self, index: int) -> None:
         """Run parameter ``index``'s gradient hook by hand."""
-        self.on_grad_accumulated(index)
+        self.autograd_hook(index)
 
     def _check_reducer_finalized(self) -> None:
         """Raise if the last backward left gradients unreduced, naming them."""
@@ -267,8 +267,8 @@ class TorchReducerAPI:
 
     def _get_zeros_like_grad_buckets(self) -> list[GradBucket]:
         """Every bucket as a hook sees it, holding zeros (what a joined rank reduces)."""
-        return [GradBucket.of(b, len(self.buckets), torch.zeros_like(b.buffer))
-                for b in self.buckets]
+        return [GradBucket.of(b, len(self.layout.buckets), torch.zeros_like(b.buffer))
+                for b in self.layout.buckets]
 
     def _run_comm_hook(self, bucket: GradBucket) -> torch.futures.Future:
         """Launch ``bucket``'s collective through the registered hook (or the default)."""
@@ -322,7 +322,7 @@ TORCH_INTERNALS = {
     "_register_fused_optim": "fused optimizers in the comm hook are not supported; step the "
                              "optimizer after backward.",
     "_set_sparse_metadata": "sparse gradients are reduced as whole tensors "
-                            "(mini_ddp.engine.sparse); no sparse metadata is used.",
+                            "(mini_ddp.engine.buckets); no sparse metadata is used.",
     "_update_process_group": "build a new DataParallelModel on the new process group.",
 }
 

@@ -1,6 +1,6 @@
 """Back into ``.grad``: the last leg of a gradient, from the reduced bucket to ``param.grad``.
 
-:meth:`mini_ddp.engine.reducer.Reducer.finish_grad_sync` waits for each bucket, then picks one of:
+:meth:`mini_ddp.engine.reducer.Reducer.finalize_backward` waits for each bucket, then picks one of:
 
 * :func:`copy_out` — DDP's copy of a whole bucket into the separate ``.grad`` tensors, in one
   foreach copy (the plain path with ``zero_copy_write_back=False``);
@@ -9,7 +9,7 @@
   :func:`reclaim_buffers`, which moves any bucket that something besides ``.grad`` still looks
   into (:func:`held_elsewhere`) to a fresh buffer, so saved gradients keep DDP's values.
   When the bucket layout changes, the handed-out ``.grad`` tensors nobody else holds move
-  into the new buffers (:func:`handed_out_grads`, for :class:`~mini_ddp.engine.graph_state.BucketLayout`);
+  into the new buffers (:func:`handed_out_grads`, for :class:`~mini_ddp.engine.buckets.BucketLayout`);
 * :func:`write_back` — one parameter at a time, for the paths with DDP's own rules: unused
   parameters, static graphs, ``gradient_as_bucket_view``, a comm hook returning a new tensor.
 
@@ -32,6 +32,7 @@ import torch
 
 from mini_ddp.engine.buckets import (
     Bucket,
+    assign_grad,
     shares_storage,
     storage_object_refs,
     storage_use_count,
@@ -109,7 +110,7 @@ def handed_out_grads(buckets: Iterable[Bucket]) -> list[tuple[int, torch.Tensor]
     """``(param index, view)`` for each ``.grad`` still its bucket view, held by nobody else.
 
     When the layout changes these move along into the new buffers (copied over by
-    :meth:`mini_ddp.engine.graph_state.BucketLayout.install`), so later steps keep writing in place
+    :meth:`mini_ddp.engine.buckets.BucketLayout.install`), so later steps keep writing in place
     instead of copying.
     """
     # held_elsewhere is asked before any pair of that bucket exists: the pairs would count.
@@ -161,18 +162,6 @@ def write_back(param: torch.Tensor, view_in: torch.Tensor, view_out: torch.Tenso
     if param.grad is None:
         param.grad = _fresh_grad(param)
     param.grad.copy_(view_out)
-
-
-def assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """``param.grad = grad``, allowing a dtype other than the parameter's.
-
-    DDP's C++ reducer sets ``.grad`` without Python's dtype check. With mixed precision and
-    ``gradient_as_bucket_view=True`` it hands a ``param_dtype`` bucket view to a
-    full-precision parameter (and a view the comm hook upcast to a low-precision one).
-    """
-    if grad.dtype != param.dtype:
-        param.grad_dtype = None  # torch's documented switch for "any dtype"
-    param.grad = grad
 
 
 # ---- who else holds a tensor: reference counts ------------------------------------------

@@ -106,7 +106,7 @@ def check_in_sync(model: Any, buffers: bool = True, step: int | None = None) -> 
     gaps = [torch.empty_like(gap) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gaps, gap, group=group)
     max_diff = float(torch.cat(gaps).max())  # torch's max keeps a NaN visible
-    raise DesyncError(dist.get_rank(group), model.reducer.num_iterations if step is None
+    raise DesyncError(dist.get_rank(group), model.reducer.step.num_iterations if step is None
                       else step, mismatches, max_diff)
 
 
@@ -142,7 +142,7 @@ class DesyncDetector:
     def _before_forward(self, module: Any, args: Any) -> None:
         # Only synchronised forwards run in lockstep on every rank: a rank-local eval forward
         # (no_grad) or a no_sync() forward must not start a collective.
-        model, step = self.model, self.model.reducer.num_iterations
+        model, step = self.model, self.model.reducer.step.num_iterations
         if not (torch.is_grad_enabled() and model.require_backward_grad_sync) \
                 or step == self._last_step or step % self.every:
             return

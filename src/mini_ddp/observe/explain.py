@@ -28,7 +28,6 @@ import torch
 
 from mini_ddp.engine.buckets import describe_layout
 from mini_ddp.engine.config import format_bytes
-from mini_ddp.engine.graph_state import should_rebuild
 
 _ORDINAL = {1: "st", 2: "nd", 3: "rd"}
 
@@ -57,19 +56,19 @@ def layouts(model: Any) -> list[LayoutView]:
     """Every layout the model's reducer installed (oldest first), plus a predicted rebuild."""
     reducer, config = model.reducer, model.config
     views = []
-    for i, layout in enumerate(reducer.layout_history):
+    for i, layout in enumerate(reducer.layout.history):
         rebuilt = i > 0
         limits = config.rebuild_size_limits() if rebuilt else config.initial_size_limits()
-        current = i == len(reducer.layout_history) - 1
+        current = i == len(reducer.layout.history) - 1
         views.append(LayoutView(f"layout {i + 1}{' (current)' if current else ''}",
                                 config.layout_reason(rebuilt), layout, limits, current, rebuilt))
-    if should_rebuild(reducer) and reducer.rebuild_order:
+    if reducer.layout.should_rebuild() and reducer.layout.rebuild_order:
         # After a first backward the rebuild is known (from this rank's order; rank 0's wins).
         from mini_ddp.engine.buckets import assign_buckets
 
         limits = config.rebuild_size_limits()
         views.append(LayoutView("predicted rebuild, at the next forward", config.layout_reason(
-            True), assign_buckets(reducer.params, limits, order=reducer.rebuild_order), limits,
+            True), assign_buckets(reducer.params, limits, order=reducer.layout.rebuild_order), limits,
             current=False, rebuilt=True))
     return views
 
@@ -167,9 +166,9 @@ def explain(model: Any, max_names: int | None = None) -> str:
     for view in layouts(model):
         out += ["", f"{view.title}: {view.reason}",
                 layout_table(model, view, max_names), *bucket_reasons(model, view)]
-    if not reducer.has_rebuilt and not should_rebuild(reducer):
+    if not reducer.layout.has_rebuilt and not reducer.layout.should_rebuild():
         out += ["", "no rebuild: find_unused_parameters=True keeps the iteration 1 layout."]
-    elif not reducer.has_rebuilt and not reducer.rebuild_order:
+    elif not reducer.layout.has_rebuilt and not reducer.layout.rebuild_order:
         out += ["", "rebuild: not yet — it needs the gradient order of one synced backward."]
     out += ["", "where each parameter is (current layout):", *parameter_reasons(model)]
     return "\n".join(out)

@@ -130,7 +130,7 @@ class TraceRecorder:
     def _note_layout(self) -> None:
         # The layout changes once (the rebuild, inside a forward): log it when it does, so the
         # exporter can name each bucket's parameters. One identity test per forward.
-        buckets = getattr(self._reducer, "buckets", None)
+        buckets = getattr(getattr(self._reducer, "layout", None), "buckets", None)
         if buckets is not None and buckets is not self._layout_seen:
             self._layout_seen = buckets
             self._append("layout", {"buckets": [list(b.param_indices) for b in buckets]})
@@ -153,7 +153,7 @@ def transport_of(reducer: Any, bucket: int | None) -> str:
     hook = getattr(reducer, "comm_hook", None)
     if hook is not None:
         return f"comm hook {getattr(hook, '__qualname__', repr(hook))}"
-    buckets = getattr(reducer, "buckets", [])
+    buckets = getattr(getattr(reducer, "layout", None), "buckets", [])
     shm = getattr(reducer, "transport", None)
     if bucket is not None and bucket < len(buckets) and shm is not None \
             and getattr(reducer, "use_transport", False) \

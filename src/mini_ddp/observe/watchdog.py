@@ -81,26 +81,26 @@ class StallWatchdog(StallMonitor):
         r = self.reducer
         if kind == "launched":
             self.publish("backward", launched=info["bucket"] + 1)
-        elif kind == "hook" and self._callback_step != r.num_iterations:
+        elif kind == "hook" and self._callback_step != r.step.num_iterations:
             # First gradient of this backward: check, when backward ends, that every bucket
             # launched. That is the earliest moment a rank can know it will stall the others.
-            self._callback_step = r.num_iterations
+            self._callback_step = r.step.num_iterations
             Variable._execution_engine.queue_callback(self._backward_ended)
         elif kind == "finalized":
-            self.publish("finalized", launched=len(r.buckets))
-        elif kind == "forward_start" and r.require_finalize and torch.is_grad_enabled():
+            self.publish("finalized", launched=len(r.layout.buckets))
+        elif kind == "forward_start" and r.step.require_finalize and torch.is_grad_enabled():
             report = self.report(None, None)  # the engine would raise too: say why first
             self.act(report, None)
 
     def _backward_ended(self) -> None:
-        if self.reducer.next_bucket < len(self.reducer.buckets):
-            self.publish("ended_unfinished", launched=self.reducer.next_bucket)
+        if self.reducer.step.next_bucket < len(self.reducer.layout.buckets):
+            self.publish("ended_unfinished", launched=self.reducer.step.next_bucket)
 
     # ---- the report ---------------------------------------------------------------------------
     def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> None:
         """Called by the reducer after ``limit_s`` without an answer, or when the collective
         failed (a dead peer). Our own marks first, so other ranks' reports include them."""
-        self.publish("failed" if error else "waiting", launched=reducer.next_bucket,
+        self.publish("failed" if error else "waiting", launched=reducer.step.next_bucket,
                      waiting_for=None if bucket is None else bucket.index)
         if error is not None:
             self.failed(bucket)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mini_ddp.engine.buckets import MIB
+from mini_ddp.engine.config import MIB
 from mini_ddp.tools.bench_models import (
     ABLATIONS,
     BENCH_BATCH,

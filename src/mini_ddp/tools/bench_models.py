@@ -121,7 +121,7 @@ def tensor_bytes(engine: Engine) -> int:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     extra = 0
     if isinstance(engine.model, DataParallelModel):  # (zero-copy .grad shares their storage)
-        for bucket in engine.model.reducer.buckets:
+        for bucket in engine.model.reducer.layout.buckets:
             storages[bucket.buffer.untyped_storage().data_ptr()] = bucket.nbytes
     elif isinstance(engine.model, DistributedDataParallel) and not engine.gabv:
         # torch's buckets are not reachable from Python; DDP's logger reports their sizes.

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from mini_ddp.engine.buckets import MIB, assign_buckets
+from mini_ddp.engine.buckets import assign_buckets
+from mini_ddp.engine.config import MIB
 from mini_ddp.tools.bench_models import BENCH_BATCH
 from mini_ddp.tools.costmodel_inputs import NETWORKS, Network, Profile, profile_to_dict
 from mini_ddp.tools.report import emit_report

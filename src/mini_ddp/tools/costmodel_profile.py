@@ -77,9 +77,9 @@ def measure_profile(model: str, steps: int = 5, warmup: int = 3) -> Profile:
         param_bytes=[reducer.params[i].numel() * reducer.params[i].element_size()
                      for i in order],
         bucket_ready_s=[statistics.median(r["buckets"][b.index] for r in runs)
-                        for b in reducer.buckets],
-        bucket_bytes=[b.nbytes for b in reducer.buckets],
-        bucket_params=[[position[i] for i in b.param_indices] for b in reducer.buckets],
+                        for b in reducer.layout.buckets],
+        bucket_bytes=[b.nbytes for b in reducer.layout.buckets],
+        bucket_params=[[position[i] for i in b.param_indices] for b in reducer.layout.buckets],
         model=model)
 
 

@@ -1,6 +1,6 @@
 """``python -m mini_ddp doctor DIR``: line the ranks' flight recorder dumps up, say what differs.
 
-Each rank's dump (:mod:`mini_ddp.engine.flight_log`) lists the bucket collectives it launched,
+Each rank's dump (:class:`mini_ddp.engine.stall.FlightLog`) lists the bucket collectives it launched,
 numbered in launch order — the same numbers on every rank while they agree. The doctor finds
 the first collective some rank never launched ("rank 1 never launched bucket 2 of step 120"),
 collectives launched everywhere but completed nowhere (the network, or a dead peer), two ranks
@@ -18,7 +18,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from mini_ddp.engine.stack_responder import describe_answer, format_stacks
+from mini_ddp.engine.stall import describe_answer, format_stacks
 from mini_ddp.observe.flight_recorder import read_dumps
 
 

@@ -140,7 +140,7 @@ def _rank_main(ctx: RankContext, opts: ParityOptions) -> tuple[list[TensorDiff],
 
     def record(step: int, phase: str, pairs: object) -> None:
         for (name, mine), (_, theirs) in pairs:
-            bucket = ours.reducer.locator[index[name]][0] if name in index else None
+            bucket = ours.reducer.layout.locator[index[name]][0] if name in index else None
             # A parameter no forward used has no gradient (None): compare presence first.
             present = mine if mine is not None else theirs
             missing = "" if (mine is None) == (theirs is None) else (

@@ -1,7 +1,7 @@
 """The one bounded wait: block until a collective has finished or a deadline passes.
 
 Every place that waits for a collective with a limit (the reducer's end-of-backward wait, the
-join's shadow backward, :func:`mini_ddp.engine.gloo_safe.gloo_safe`, the forward's buffer
+join's shadow backward, :func:`mini_ddp.engine.hooks.gloo_safe`, the forward's buffer
 broadcast when ``sync_timeout_s`` was set) goes through :func:`wait_done`, so "how long, and
 who hears about a slow one" is decided in one place. It only waits: what a timeout or a failure
 *means* is for the caller to say (each raises its own error, naming its bucket or hook).

@@ -1,0 +1,172 @@
+"""One gradient's default path, measured on a real step, and docs/architecture.md checked
+against it.
+
+Two ranks train a tiny model with default options while ``sys.setprofile`` (and
+``threading.setprofile``, for any thread autograd or a backend runs Python on) records every
+mini_ddp function called. The *window* runs from the first ``AccumulateGrad`` hook of a
+backward to the return of ``Reducer.finalize_backward``: everything one gradient goes through,
+from autograd handing it over to ``param.grad`` holding the average.
+
+Calls made inside the recorders the default options install — the flight recorder's ring
+(``FlightLog``, on with the stall warning) and the logging data's timestamps (``RuntimeLog``)
+— are counted apart: they note *that* a bucket launched or a phase ended, and never touch the
+gradient. They are printed too.
+
+The page's path table ("One gradient's path through the engine") must agree with the trace:
+every function a row names is run by the step, and every function of ``src/mini_ddp/engine``
+that the window runs is named by a row — except one-statement accessors and predicates
+(``GradBucket.buffer``, ``Bucket.nbytes``, ...), which a reader follows without a map.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import mini_ddp
+from mini_ddp import DataParallelModel, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "architecture.md"
+PACKAGE = str(Path(mini_ddp.__file__).resolve().parent)
+OBSERVERS = ("FlightLog.", "RuntimeLog.")
+# Measured: 25 functions in 6 files; one more (transport/wait.py's deadline arithmetic) when a
+# bucket's all-reduce has not finished by the time backward ends.
+MAX_FILES, MAX_FUNCTIONS = 6, 26
+REFERENCE = re.compile(r"`(src/mini_ddp/[\w/]+\.py):([\w.]+)`")
+STEPS = 3  # the 2nd forward rebuilds the buckets; the 3rd step is the steady state
+
+
+class _Recorder:
+    """The profile function: which mini_ddp functions ran, and where in the step."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.everything: set[tuple[str, str]] = set()
+        self.windows: dict[int, set[tuple[str, str]]] = defaultdict(set)
+        self.observed: set[tuple[str, str]] = set()
+        self.in_window = False
+        self.depth = threading.local()  # how deep in an observer's call, per thread
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event not in ("call", "return"):
+            return
+        code = frame.f_code
+        if not code.co_filename.startswith(PACKAGE):
+            return
+        name = code.co_qualname
+        observer = name.startswith(OBSERVERS)
+        depth = getattr(self.depth, "n", 0)
+        if event == "return":
+            if observer:
+                self.depth.n = depth - 1
+            if name == "Reducer.finalize_backward":
+                self.in_window = False
+            return
+        where = (str(Path(code.co_filename).resolve().relative_to(ROOT)), name)
+        self.everything.add(where)
+        if name == "_hook_trampoline":
+            self.in_window = True
+        if self.in_window:
+            if observer or depth:
+                self.observed.add(where)
+            else:
+                self.windows[self.step].add(where)
+        if observer:
+            self.depth.n = depth + 1
+
+
+def _trace_a_step(ctx: Any) -> dict[str, Any]:
+    recorder = _Recorder()
+    sys.setprofile(recorder)
+    threading.setprofile(recorder)
+    try:
+        torch.manual_seed(0)
+        model = DataParallelModel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        x = torch.randn(3, 4) * (ctx.rank + 1)
+        for step in range(1, STEPS + 1):
+            recorder.step = step
+            model(x).sum().backward()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    grads = [p.grad.clone() for p in model.parameters()]
+    return {"everything": recorder.everything, "windows": dict(recorder.windows),
+            "observed": recorder.observed, "grads": grads}
+
+
+def _table_references() -> set[tuple[str, str]]:
+    """The ``file:function`` references in the rows of the page's path table."""
+    text = PAGE.read_text()
+    section = text[text.index("## One gradient's path through the engine"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    rows = [line for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    return {ref for row in rows for ref in REFERENCE.findall(row)}
+
+
+def _statements(path: str) -> dict[str, int]:
+    """Each function of ``path`` (methods as ``Class.method``) -> statements in its body,
+    not counting a docstring."""
+    found: dict[str, int] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                stmts = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                found[prefix + node.name] = len(stmts)
+
+    visit(ast.parse((ROOT / path).read_text()).body, "")
+    return found
+
+
+def _significant(where: tuple[str, str]) -> bool:
+    path, name = where
+    if not path.startswith("src/mini_ddp/engine/") or "<" in name:
+        return False
+    if name.rsplit(".", 1)[-1].startswith("__"):
+        return False  # constructors and other dunders
+    return _statements(path).get(name, 0) > 1
+
+
+def _summary(functions: set[tuple[str, str]]) -> str:
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for path, name in sorted(functions):
+        by_file[path.removeprefix("src/mini_ddp/")].append(name)
+    return "; ".join(f"{path}: {', '.join(names)}" for path, names in by_file.items())
+
+
+def test_one_gradients_default_path_is_short_and_the_page_names_it():
+    results = run_ranks(_trace_a_step, 2, timeout_s=120)
+    for name, (a, b) in enumerate(zip(results[0]["grads"], results[1]["grads"], strict=True)):
+        assert torch.equal(a, b), f"parameter {name}: the ranks' gradients differ"
+    traced = results[0]
+    steady = traced["windows"][STEPS]
+    files = {path for path, _ in steady}
+    print(f"\none gradient's default path (step {STEPS}, rank 0): {len(steady)} distinct "
+          f"functions in {len(files)} files: {_summary(steady)}")
+    print(f"recorders on the way ({len(traced['observed'])} functions, counted apart): "
+          f"{_summary(traced['observed'])}")
+    assert len(files) <= MAX_FILES, sorted(files)
+    assert len(steady) <= MAX_FUNCTIONS, _summary(steady)
+
+    table = _table_references()
+    assert len(table) >= 15, table  # the table exists and the pattern still matches its rows
+    never_run = sorted(f"{p}:{n}" for p, n in table - traced["everything"])
+    assert not never_run, (
+        f"docs/architecture.md's path table names functions a default step never runs: "
+        f"{never_run}")
+    every_window = set().union(*traced["windows"].values())
+    unnamed = sorted(f"{p}:{n}" for p, n in every_window - table if _significant((p, n)))
+    assert not unnamed, (
+        f"a default step runs engine functions docs/architecture.md's path table leaves out: "
+        f"{unnamed}")
