@@ -101,6 +101,9 @@ def _text(node: ast.AST | None, names: dict[str, str]) -> str:
         return _text(node.left, names) + _text(node.right, names)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
         return _text(node.left, names) + HOLE
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "format"):  # "... {} ...".format(value)
+        return _text(node.func.value, names) + HOLE
     if isinstance(node, ast.IfExp):
         return _text(node.body, names) + HOLE + _text(node.orelse, names)
     return HOLE
@@ -114,6 +117,11 @@ def _call_text(call: ast.Call, names: dict[str, str]) -> str:
 def _callee(call: ast.Call) -> str:
     func = call.func
     return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def _dotted(where: str) -> str:
+    """``engine/comm.py`` -> ``mini_ddp.engine.comm`` (a package's ``__init__``: the package)."""
+    return ".".join(["mini_ddp", *Path(where).with_suffix("").parts]).removesuffix(".__init__")
 
 
 def _is_super_init(node: ast.AST) -> bool:
@@ -145,14 +153,33 @@ class Package:
             self.exceptions |= more
         self.own_message = {name for name in self.exceptions & set(classes)
                             if any(_is_super_init(n) and n.args for n in ast.walk(classes[name]))}
+        # Their methods: a super().__init__(message) there is a site of that class.
+        self.method_of = {id(m): name for name in self.own_message for m in classes[name].body
+                          if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        self.dotted = {_dotted(where): where for where in self.trees}
+
+    def imported_strings(self, where: str) -> dict[str, str]:
+        """The string constants ``where`` imports by name from another module of the package
+        (by its import; else, for a name no other module binds to another string, by name)."""
+        found: dict[str, str] = {}
+        package = _dotted(where).split(".")[: -1 if not where.endswith("__init__.py") else None]
+        for node in ast.walk(self.trees[where]):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            source = ".".join(p for p in (base, node.module or "") if p)
+            constants = self.constants.get(self.dotted.get(source, ""), {})
+            for alias in node.names:
+                name = alias.asname or alias.name
+                text = constants.get(alias.name, self.unique.get(alias.name))
+                if text is not None:
+                    found[name] = text
+        return found
 
     def sites(self) -> list[Site]:
         found: dict[tuple[str, str], Site] = {}
         for where, tree in self.trees.items():
-            imported = {a.asname or a.name for n in ast.walk(tree)
-                        if isinstance(n, ast.ImportFrom) for a in n.names}
-            module_names = {**{n: t for n, t in self.unique.items() if n in imported},
-                            **self.constants[where]}
+            module_names = {**self.imported_strings(where), **self.constants[where]}
             passed = _passed_strings(tree, module_names)
             for scope in [tree, *(n for n in ast.walk(tree)
                                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
@@ -164,9 +191,9 @@ class Package:
 
     def _site(self, where: str, node: ast.AST, names: dict[str, str], scope: ast.AST
               ) -> list[Site]:
-        if isinstance(node, ast.ClassDef) and node.name in self.own_message:
-            return [Site(f"{where}:{n.lineno}", node.name, _call_text(n, names),
-                         ast.unparse(n)) for n in ast.walk(node) if _is_super_init(n) and n.args]
+        if _is_super_init(node) and node.args and id(scope) in self.method_of:
+            return [Site(f"{where}:{node.lineno}", self.method_of[id(scope)],
+                         _call_text(node, names), ast.unparse(node))]
         if not isinstance(node, ast.Raise):
             return []
         call = node.exc
@@ -228,19 +255,14 @@ def _scope_names(scope: ast.AST, tree: ast.Module, module_names: dict[str, str],
 
 
 def _own_nodes(scope: ast.AST):
-    """Nodes of ``scope`` that belong to no nested function (those are scopes of their own);
-    classes count once, at the scope that defines them."""
+    """Nodes of ``scope`` that belong to no nested function (those are scopes of their own)."""
     todo = list(ast.iter_child_nodes(scope))
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
         yield node
-        if not isinstance(node, ast.ClassDef):
-            todo.extend(ast.iter_child_nodes(node))
-        else:  # its methods are scopes; its body's other statements are not
-            todo.extend(n for n in node.body
-                        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        todo.extend(ast.iter_child_nodes(node))
 
 
 def package_sources() -> dict[str, str]:
@@ -341,3 +363,19 @@ def test_dropping_an_entry_is_noticed():
     assert [s.kind for s in missing] == ["RuntimeError"], [_show(s) for s in missing]
     assert "register_comm_hook or register_builtin_comm_hook can only be called once" \
         in missing[0].text
+
+
+def test_the_walk_follows_a_message_imported_from_another_module():
+    """A sentence kept in one module and raised in another (as after code moves) still
+    resolves: by the import, also when another module binds the same name to other text."""
+    sites = Package({
+        "engine/sentences.py": 'TWICE = "Expected to mark a variable ready only once. "\n',
+        "engine/other.py": 'TWICE = "something else"\n',
+        "engine/raiser.py": "from mini_ddp.engine.sentences import TWICE\n"
+                            "def f():\n    raise RuntimeError(f'{TWICE}detail')\n",
+        "engine/relative.py": "from .sentences import TWICE as T\n"
+                              "def g():\n    raise RuntimeError(T)\n",
+    }).sites()
+    assert sorted(s.text for s in sites) == ["Expected to mark a variable ready only once. ",
+                                             "Expected to mark a variable ready only once. "
+                                             "detail"]
