@@ -38,6 +38,8 @@ from mini_ddp import (
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
 from mini_ddp.ladder.naive import NaiveDataParallel
 from mini_ddp.observe.flight_recorder import flight_recorder
+from mini_ddp.tools import bench_models, parity
+from mini_ddp.tools.parity_options import ParityOptions
 from mini_ddp.training import data, launch, models
 from mini_ddp.transport import local_comm
 from mini_ddp.transport.collectives import naive
@@ -329,6 +331,10 @@ NO_GROUP: dict[str, Callable[[], object]] = {
     "`--local-rank` without a launcher": lambda: launch.detect_launcher({}, 0),
     "`--world-size` against the launcher's": _world_size_contradicts,
     "Dataset files missing": lambda: data.load_cifar10(os.devnull + "-nowhere"),
+    "`mini_ddp parity`: unknown reference":
+        lambda: parity.run_parity(ParityOptions(reference="nearby")),
+    "`mini_ddp bench`: unknown engine":
+        lambda: bench_models.build_engine("warp-drive", nn.Linear(2, 2), None, False),
     "Hand-written collectives: unsupported reduce op":
         lambda: naive.flat_view(torch.zeros(2), dist.ReduceOp.BAND),
     "Hand-written collectives: non-contiguous tensor":

@@ -15,9 +15,8 @@ whose ``**Raised:**`` type is the site's, or be allowlisted in :data:`ALLOWED` b
 reason. A site whose message has no literal text at all (built wholly at run time) must have an
 entry of its type. Conversely every entry must match some site, so a stale entry fails too.
 
-Not walked: ``tools/``, the command-line front ends (``python -m mini_ddp ...``): their
-refusals are argparse usage errors, ``SystemExit`` and checks of their own options, printed with
-the command's ``--help``.
+The whole package is walked, the command-line tools (``tools/``) and the teaching ladder
+included; the tools' argparse usage errors and exit statuses are in :data:`ALLOWED`.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from docs_snippets import error_entries
 import mini_ddp
 
 SRC = Path(mini_ddp.__file__).resolve().parent
-SKIPPED = ("tools",)
 HOLE = "\x00"  # stands for a value only known at run time
 
 # Message sites that need no docs/errors.md entry, each identified by a fragment of its
@@ -53,6 +51,9 @@ ALLOWED: dict[str, str] = {
     "not the segment": "as above: becomes ShmAllocationError",
     "bytes, expected": "as above: becomes ShmAllocationError",
     "checksum": "load_checkpoint catches it, logs the damaged file and tries the previous one",
+    "SystemExit(main())": "a command's exit status, not an error",
+    "not a shape": "an argparse type: argparse prints it as the usage error of --input-shape",
+    "unknown --inject-bug": "the parity tool's test-only option (tests/test_parity_cli.py)",
 }
 
 
@@ -68,6 +69,10 @@ class Site:
 
 _EXCEPTIONS = {n for n, v in vars(builtins).items()
                if isinstance(v, type) and issubclass(v, BaseException)}
+
+
+# An exception class from another library (argparse.ArgumentTypeError, torch's DistError).
+_EXCEPTION_NAME = re.compile(r"[A-Z]\w*(Error|Exception|Exit|Timeout|Interrupt)$")
 
 
 def _strings(node: ast.AST) -> dict[str, str]:
@@ -204,7 +209,7 @@ class Package:
         if not isinstance(call, ast.Call):
             return []  # a re-raise of a caught error
         kind = _callee(call)
-        if kind in self.own_message or kind not in self.exceptions:
+        if kind in self.own_message or not (kind in self.exceptions or _EXCEPTION_NAME.match(kind)):
             # The class's own __init__ is the site, or a function built the exception (its
             # own raise or constructor call is the site: ``step.unarmed(...)``).
             return []
@@ -267,7 +272,7 @@ def _own_nodes(scope: ast.AST):
 
 def package_sources() -> dict[str, str]:
     return {str(p.relative_to(SRC)): p.read_text() for p in sorted(SRC.rglob("*.py"))
-            if p.relative_to(SRC).parts[0] not in SKIPPED}
+            if "__pycache__" not in p.parts}
 
 
 def _literal(text: str) -> bool:
@@ -340,16 +345,22 @@ SNIPPET = textwrap.dedent('''
 
     def data_only():
         raise OwnError(3)
+
+    def third_party():
+        raise argparse.ArgumentTypeError("a shape nobody documented")
+
+    def factory():
+        raise make_error()  # checked where make_error builds it
 ''')
 
 
 def test_the_walk_reports_an_undocumented_raise():
     """The check can fail: a snippet's undocumented raises are reported, the others not."""
     sites = Package({"snippet.py": SNIPPET}).sites()
-    assert len(sites) == 5  # OwnError's raise passes data: its __init__ is the site
+    assert len(sites) == 6  # OwnError's raise passes data: its __init__ is the site
     missing = undocumented(sites, error_entries(), ALLOWED)
-    assert sorted(s.kind for s in missing) == ["KeyError", "OwnError", "TypeError"], \
-        [_show(s) for s in missing]
+    assert sorted(s.kind for s in missing) == ["ArgumentTypeError", "KeyError", "OwnError",
+                                               "TypeError"], [_show(s) for s in missing]
     key_error = next(s for s in missing if s.kind == "KeyError")
     assert "frobnicated" in key_error.text  # resolved through the local variable
     documented = next(s for s in sites if s.where.endswith(":9"))
