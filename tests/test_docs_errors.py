@@ -201,8 +201,7 @@ def _sparse_dense_grad():
 
 def _sparse_hook_dense():
     model = DataParallelModel(nn.Embedding(5, 2, sparse=True))
-    model.register_comm_hook(None, lambda state, bucket: torch.futures.Future().__class__
-                             and _done(torch.zeros(bucket.buffer().numel())))
+    model.register_comm_hook(None, lambda state, bucket: _done(bucket.buffer().to_dense()))
     model(torch.tensor([1, 2])).sum().backward()
 
 
@@ -410,6 +409,10 @@ def _shm(ctx, what: str) -> str:
         err = _raised(lambda: shm.all_reduce(buffer))
     elif what == "foreign":
         err = _raised(lambda: shm.all_reduce(torch.zeros(4)))
+    elif what == "worker thread":  # a callback of the transport's future runs on its thread
+        buffer = shm.allocate(4, torch.float32)
+        fut = shm.all_reduce(buffer).then(lambda _: shm.allocate(4, torch.float32))
+        err = _raised(fut.wait)
     elif what == "peer failed":
         buffer = shm.allocate(4, torch.float32)
         if ctx.rank == 1:  # this rank's half of the sum fails; rank 0 reports its peer
@@ -442,6 +445,7 @@ SHM: dict[str, str] = {
     "Shared-memory transport arguments": "numel",
     "Shared-memory sum of an unsupported dtype": "dtype",
     "Not a buffer of the shared-memory transport": "foreign",
+    "Shared-memory allocate from the transport's own thread": "worker thread",
 }
 NOT_INITIALISED = "Process group not initialised"
 

@@ -3,10 +3,12 @@
 Every ``.py`` under ``src/mini_ddp`` is parsed with :mod:`ast` (not imported), so the check does
 not care which module a raise sits in. A *message site* is
 
-* ``raise SomeError(...)``: its message is the string literals among the call's arguments
-  (f-strings give their constant parts; a name is resolved to a string assigned to it in the
-  same function, at module level, or at module level anywhere in the package when that name is
-  unique), or
+* ``raise SomeError(...)`` (or ``err = SomeError(...)``, then ``raise err``): its message is the
+  string literals among the call's arguments. f-strings give their constant parts; a name is
+  resolved to a string assigned to it in the same function or at module level, or imported
+  from another module of the package; a function's parameter to each string that calls of it
+  in the same module pass it (a helper handed torch's sentence). A raise of what a function
+  returns (``raise step.unarmed(...)``) is checked where that function builds it; or
 * ``super().__init__(...)`` inside an exception class of the package that builds its own
   message (a raise of such a class passes data, not a message, so it is not a site itself).
 
@@ -42,8 +44,6 @@ ALLOWED: dict[str, str] = {
     "assign_buckets needs at least one parameter":
         "internal invariant: DataParallelModel refuses a module without trainable parameters "
         "first ('Nothing to train')",
-    "called from the transport's worker thread":
-        "internal invariant of the shared-memory transport (no user code runs on its thread)",
     "no answer within": "a bounded broadcast's timeout: every caller runs it inside "
                         "naming_collective, which raises CollectiveError ('A peer died')",
     "changed while it was opened": "the shared-memory transport turns this OSError into "
