@@ -50,7 +50,9 @@ ALLOWED: dict[str, str] = {
                                    "ShmAllocationError ('A shared buffer could not be ...')",
     "not the segment": "as above: becomes ShmAllocationError",
     "bytes, expected": "as above: becomes ShmAllocationError",
-    "checksum": "load_checkpoint catches it, logs the damaged file and tries the previous one",
+    "no checksum footer": "load_checkpoint catches it, logs the damaged file and tries the "
+                          "previous one",
+    "checksum mismatch (file corrupted)": "as above: load_checkpoint logs it and goes on",
     "SystemExit(main())": "a command's exit status, not an error",
     "not a shape": "an argparse type: argparse prints it as the usage error of --input-shape",
     "unknown --inject-bug": "the parity tool's test-only option (tests/test_parity_cli.py)",
