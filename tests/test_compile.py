@@ -262,13 +262,10 @@ def _compare_python_reducer(ctx, backend: str, steps: int) -> dict[str, Any]:
     torch.manual_seed(ctx.rank)
     base = WideMLP(64)
     runs = {}
-    # torch DDP's default cap fails under inductor here (it hands inductor None for the fused
-    # all-reduce's bucket size): it runs with its default written out; ours with the default.
-    for name, engine, kwargs in (("ddp", DDP, {"bucket_cap_mb": 25}),
-                                 ("mini", DataParallelModel, {})):
+    for name, engine in (("ddp", DDP), ("mini", DataParallelModel)):
         torch._dynamo.reset()
         counters.clear()
-        model = engine(copy.deepcopy(base), **kwargs)
+        model = engine(copy.deepcopy(base))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
         @torch.compile(backend=backend)

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.engine.ddp_private_api import TORCH_INTERNALS
 from mini_ddp.engine.model import CLASS_METADATA, INHERITED_FROM_TORCH_DDP
 from mini_ddp.engine.reducer import Reducer
+from mini_ddp.engine.torch_api import TORCH_INTERNALS
 
 
 def _owner(name: str) -> type:

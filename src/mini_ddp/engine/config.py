@@ -61,8 +61,9 @@ class DataParallelConfig:
     """How long the end of backward waits for one bucket's collective (counted from the start
     of the wait, a stall warning included), and — only when set here — a forward for the
     buffer broadcast, before raising :class:`mini_ddp.errors.GradSyncTimeout` naming what it
-    waited for. ``None`` (the default) means the process group's own timeout — what torch DDP waits (30 min
-    unless ``init_process_group(timeout=...)`` says otherwise); ``DataParallelModel`` fills
+    waited for. ``None`` (the default) means the process group's own timeout — what torch DDP waits (torch's
+    default is 30 min for Gloo, the examples' launcher sets 10 min, and
+    ``init_process_group(timeout=...)`` decides); ``DataParallelModel`` fills
     it in, see :func:`process_group_timeout_s`. Gloo fails the collective itself at that
     timeout, usually first: then the error is a ``CollectiveError`` naming the bucket."""
 

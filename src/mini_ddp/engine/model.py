@@ -1,12 +1,16 @@
 """``DataParallelModel``: the drop-in replacement for ``torch.nn.parallel.DistributedDataParallel``.
 
-This module owns what happens *around* the module's forward: argument checks, the start-up
-sync, the per-forward bookkeeping (bucket rebuild, buffer broadcast, arming the reducer for
-backward) and ``no_sync()``. The model's other faces are mixins, one concept each:
-comm-hook registration (:mod:`.comm_hook_registration`), torch DDP's semi-private API
-(:mod:`.ddp_private_api`) and the ``Join`` protocol (:mod:`.joinable`); the output sink
-forward routes its outputs through is :mod:`.output_sink`. How gradients are bucketed and
-reduced is the reducer's business (:mod:`mini_ddp.engine.reducer`).
+One class, read top to bottom in the order a model lives: **construction** (the constructor's
+checks, the config, the reducer), the **start-up sync** (rank 0's parameters and buffers),
+**forward** (torch DDP's three steps: bucket rebuild, buffer broadcast, arming the reducer for
+backward, the output sink), **no_sync**, **comm hooks** (registration, at most once),
+**join** (the model's side of torch's ``Join`` protocol; what a joined rank does is
+:mod:`mini_ddp.engine.join`), **pickling** (``copy.deepcopy``, ``torch.save`` of the whole
+model) and **torch DDP's underscore API** (what frameworks and torch's tests call by name).
+The helpers below the class follow the same order: the constructor's checks, the output sink,
+torch DDP's python reducer (compiled autograd), the pickling rule. How gradients are bucketed
+and reduced is the reducer's business (:mod:`mini_ddp.engine.reducer`); DDP's logger and the
+refusals of torch's internals are :mod:`mini_ddp.engine.torch_api`.
 
 The class derives from ``torch.nn.parallel.DistributedDataParallel`` without running its
 constructor; :data:`INHERITED_FROM_TORCH_DDP` lists the few members of torch's class it keeps,
@@ -15,49 +19,57 @@ and why each is safe without torch's reducer.
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
+import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import fields, is_dataclass
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.algorithms.join import Joinable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.distributed_c10d import _get_default_group
+from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
-from mini_ddp.engine import construction, pickling, python_reducer
 from mini_ddp.engine import join as joining
+from mini_ddp.engine.buckets import MIB
 from mini_ddp.engine.comm import (
     BROADCAST_BUCKET_BYTES,
     dist_broadcast_coalesced,
     verify_params_across_ranks,
 )
-from mini_ddp.engine.comm_hook_registration import CommHookRegistration
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.ddp_private_api import (
-    STATIC_AND_FIND_UNUSED,
-    TorchDDPInternals,
-    TorchDDPPrivateAPI,
-)
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
-from mini_ddp.engine.joinable import JoinableModel
-from mini_ddp.engine.logging_data import RuntimeLog
+from mini_ddp.engine.gloo_safe import prepare_comm_hook
+from mini_ddp.engine.hook_checks import builtin_comm_hook, check_comm_hook
+from mini_ddp.engine.hooks import CommHook, hook_name
 from mini_ddp.engine.mixed_precision import (
     MIXED_PRECISION_BUCKET_VIEW,
     allreduce_and_upcast_hook,
     cast_inputs,
 )
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
-from mini_ddp.engine.output_sink import find_tensors, through_sink
 from mini_ddp.engine.reducer import Reducer
 from mini_ddp.engine.sparse import expect_sparse_gradients
 from mini_ddp.engine.stall import StallMonitor
-from mini_ddp.errors import naming_collective
+from mini_ddp.engine.torch_api import (
+    MODEL_REFUSAL,
+    TORCH_INTERNALS,
+    RuntimeLog,
+    install_refusals,
+    logging_data,
+)
+from mini_ddp.errors import MiniDDPError, naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 logger = logging.getLogger("mini_ddp")
@@ -82,8 +94,7 @@ CLASS_METADATA = {"__module__", "__doc__", "__annotations__", "__abstractmethods
                   "__static_attributes__"}
 
 
-class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPInternals,
-                        JoinableModel, DistributedDataParallel):
+class DataParallelModel(DistributedDataParallel):
     """Synchronise gradients of ``module`` across processes, exactly like torch DDP.
 
     Same constructor arguments, same semantics and — on the default path — the same bits as
@@ -95,8 +106,9 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
     their DDP code paths (manual-backward arming, unwrapping, ``module.`` prefix handling) by
     that check. It never runs torch's constructor — no C++ reducer, logger or bucket exists —
     so it owns every method of torch's class that would reach them: each is implemented over
-    mini_ddp's engine or refuses with what mini_ddp does instead; the few inherited members are
-    listed with the reason in :data:`INHERITED_FROM_TORCH_DDP`.
+    mini_ddp's engine or refuses with what mini_ddp does instead
+    (:data:`mini_ddp.engine.torch_api.TORCH_INTERNALS`); the few inherited members are listed
+    with the reason in :data:`INHERITED_FROM_TORCH_DDP`.
 
     mini_ddp additions (keyword-only): ``sync_timeout_s`` — the bound on waiting for one
     bucket's collective at the end of backward, and for the buffer broadcast before forward
@@ -109,6 +121,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
     buckets of at least that size through shared memory instead of Gloo (same bits).
     """
 
+    # ==== construction ========================================================================
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
                  broadcast_buffers: bool | None = None, init_sync: bool = True,
@@ -132,10 +145,11 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         self.require_forward_param_sync = True
         self._lazy_init_ran = False
         # torch DDP's compiled-autograd mode (optimize_ddp="python_reducer"), decided at
-        # construction as torch decides it: see mini_ddp.engine.python_reducer.
-        self._use_python_reducer = python_reducer.requested()
+        # construction as torch decides it: see python_reducer_requested below.
+        self._use_python_reducer = python_reducer_requested()
         self._accum_grad_hooks: list = []
         self._ddp_sink_clone = True
+        self._comm_hook_name: str | None = None  # the registered comm hook's (None: none yet)
         self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
         if not (dist.is_available() and dist.is_initialized()):
             # torch DDP's ValueError and sentence (from looking up the default group).
@@ -147,9 +161,8 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
                 "torchrun sets the environment for init_method='env://'; see "
                 "docs/launching.md.)")
         self._runtime_log = RuntimeLog()
-        construction.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
-        self.process_group = construction.resolve_process_group(process_group, device_mesh,
-                                                                module)
+        check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
+        self.process_group = resolve_process_group(process_group, device_mesh, module)
         if static_graph and find_unused_parameters:  # DDP warns the same at construction
             warnings.warn(STATIC_AND_FIND_UNUSED, stacklevel=2)
         if check_reduction:
@@ -169,13 +182,13 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             if self.delayed.all_params:  # DDP then builds no reducer at all
                 self.reducer = None
                 return
-        construction.check_params(module, self.parameters_to_ignore)
-        self.device_ids, self.output_device = construction.check_device_ids(
+        check_params(module, self.parameters_to_ignore)
+        self.device_ids, self.output_device = check_device_ids(
             module, self.parameters_to_ignore, device_ids, output_device)
-        named = construction.params_for_reducer(module, self.parameters_to_ignore)
+        named = params_for_reducer(module, self.parameters_to_ignore)
         self.device = named[0][1].device
         self.device_type = self.device.type
-        construction.check_sync_batchnorm(module, self.device_type)
+        check_sync_batchnorm(module, self.device_type)
 
         if forward_sync_buffers is not None:
             sync_fwd, init_bufs = forward_sync_buffers, True
@@ -212,8 +225,9 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         self._attach_reducer(named)
         if self._use_python_reducer:  # our reducer's hooks go: torch's C++ ones do nothing
             self.reducer.remove_autograd_hooks()
-            python_reducer.configure_inductor(bucket_cap_mb)
-            self._accum_grad_hooks = python_reducer.register_hooks(self, [p for _, p in named])
+            configure_inductor(self.config.bucket_bytes_cap)
+            self._accum_grad_hooks = register_python_reducer_hooks(self,
+                                                                   [p for _, p in named])
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:  # torch's sequence: see mini_ddp.engine.mixed_precision
             logger.warning("Received mixed precision config %s", mixed_precision)
@@ -227,31 +241,27 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
                 module, [p for _, p in named], mixed_precision, self.process_group,
                 self.reducer.on_grad_accumulated), allreduce_and_upcast_hook)
 
-    def _attach_reducer(self, named: list[tuple[str, nn.Parameter]]) -> None:
+    def _attach_reducer(self, named: list[tuple[str, nn.Parameter]],
+                        comm_hook: tuple[CommHook, object] | None = None) -> None:
         """A fresh reducer (and what watches it) over ``named``: at construction, after
-        unpickling, and when ``_set_static_graph`` changes how it must work."""
+        unpickling, and when ``_set_static_graph`` changes how it must work.
+
+        ``comm_hook`` is the registered hook (as prepared) and its state, carried over to the
+        new reducer by ``_set_static_graph``; None leaves the new reducer without one, as
+        after construction and unpickling (torch DDP's copy drops its hook with the reducer).
+        """
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
                                self.process_group, self.config, self.transport)
         self.reducer.runtime_log = self._runtime_log
         self.stall_monitor = None if self.config.stall_warning_s is None else StallMonitor(
             self.reducer, self.process_group, self.config.stall_warning_s).install()
         self._delay_all_reduce_enqueued = False
-        self._comm_hook_registered = False
-        self._comm_hook_name: str | None = None
+        if comm_hook is None:
+            self._comm_hook_name = None
+        else:
+            self.reducer.comm_hook, self.reducer.comm_hook_state = comm_hook
 
-    # ---- pickling (deepcopy, torch.save of the whole model): see mini_ddp.engine.pickling --
-    def __getstate__(self) -> dict[str, Any]:
-        pickling.check_default_group(self.process_group)
-        return pickling.state_to_pickle(self.__dict__)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.process_group = pickling.default_group_for_unpickle()
-        nn.Module.__setstate__(self, state)  # not DDP's: it would build torch's reducer
-        self.transport = None  # a copy sums through Gloo (same bits): no second shm channel
-        self._attach_reducer(construction.params_for_reducer(self.module,
-                                                             self.parameters_to_ignore))
-
-    # ---- construction helpers ------------------------------------------------------------
+    # ==== start-up sync =======================================================================
     def broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None:
         """Broadcast parameters (and buffers) from group rank ``src`` (start-up, join's end)."""
         states = [p for n, p in self.module.named_parameters() if n not in
@@ -264,7 +274,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             dist_broadcast_coalesced(states, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group)
 
-    # ---- forward: torch DDP's three steps, under torch DDP's names ---------------------
+    # ==== forward: torch DDP's three steps, under torch DDP's names ===========================
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; around it, do DDP's per-forward bookkeeping.
 
@@ -290,7 +300,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
         buffers, tell ``Join`` this rank trains, move and cast the inputs."""
         if not self._lazy_init_ran:
             self._lazy_init()
-        python_reducer.refuse_compiled_autograd_without_it(self)
+        refuse_compiled_autograd_without_python_reducer(self)
         if self.reducer is None:  # every parameter delayed: none of DDP's bookkeeping
             return inputs, kwargs
         trace = self.reducer.trace
@@ -368,7 +378,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
 
     def _on_outputs_backward(self) -> None:
         """The output sink's backward: with a static graph, queue the iteration-1 reduction
-        once, to run after all hooks (see :mod:`mini_ddp.engine.output_sink`)."""
+        once, to run after all hooks (see :class:`OutputSink`)."""
         if self.static_graph and not self._delay_all_reduce_enqueued:
             Variable._execution_engine.queue_callback(self.reducer.delay_all_reduce)
             self._delay_all_reduce_enqueued = True
@@ -398,7 +408,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
                                      group=self.process_group,
                                      timeout_s=self.config.buffer_sync_timeout_s)
 
-    # ---- torch DDP's names for the buffer broadcast ------------------------------------
+    # ---- torch DDP's names for the buffer broadcast ----------------------------------------
     @property
     def broadcast_buffers(self) -> bool:
         """Whether buffers are broadcast from rank 0 before each synced forward."""
@@ -441,7 +451,7 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
                                  group=self.process_group, bucket_bytes=buffer_size,
                                  timeout_s=self.config.sync_timeout_s)
 
-    # ---- user controls -------------------------------------------------------------------
+    # ==== no_sync =============================================================================
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backwards inside this context do not synchronise.
@@ -454,3 +464,513 @@ class DataParallelModel(CommHookRegistration, TorchDDPPrivateAPI, TorchDDPIntern
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    # ==== comm hooks: register_comm_hook and torch DDP's built-in ones, at most one, once =====
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``.
+
+        Same contract as torch DDP, so torch's own hooks (``default_hooks.allreduce_hook``,
+        ``fp16_compress_hook``, PowerSGD, …) run unchanged. The hook must average the
+        gradients itself: with a hook, gradients are copied into buckets unscaled.
+
+        On Gloo, torch's PowerSGD and quantization hooks are wrapped in
+        :func:`mini_ddp.engine.gloo_safe.gloo_safe` (each bucket finishes before the next starts): as
+        they are, they deadlock there, in torch DDP too. See docs/comm_hooks.md.
+        """
+        self._check_comm_hook(hook)
+        self._install_comm_hook(state, hook, hook_name(hook), TWO_HOOKS)
+
+    def _check_comm_hook(self, hook: CommHook) -> None:
+        """torch DDP's checks on a hook (callable, signature), recorded as DDP records them."""
+        try:
+            check_comm_hook(hook)
+        except (TypeError, ValueError) as err:
+            self._runtime_log.record_error(err)
+            raise
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch DDP's C++ built-in hooks (``dist.BuiltinCommHookType.ALLREDUCE``,
+        ``FP16_COMPRESS``), run as the equivalent Python hooks of torch's ``default_hooks``
+        (same operations, same bits; see :func:`mini_ddp.engine.hook_checks.builtin_comm_hook`)."""
+        self._install_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type),
+                                str(comm_hook_type), TWO_HOOKS_BUILTIN)
+
+    def _install_comm_hook(self, state: object, hook: CommHook, name: str, twice: str
+                           ) -> None:
+        if self._comm_hook_name is not None:
+            err = RuntimeError(f"{twice} (mini_ddp: {name} cannot replace "
+                               f"{self._comm_hook_name}, registered before)")
+            self._runtime_log.record_error(err)
+            raise err
+        self._comm_hook_name = name
+        self.reducer.comm_hook = prepare_comm_hook(hook, state, self.process_group, self.device,
+                                                   self.config.sync_timeout_s)
+        self.reducer.comm_hook_state = state
+
+    # ==== join: the model's side of torch's Join protocol (uneven inputs) =====================
+    # What a joined rank does (shadowing the others' collectives, the final broadcast) is
+    # mini_ddp.engine.join, over the model's public face; these methods wire the model into
+    # Join and answer the underscore steps of torch DDP's own join hook by name.
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs across ranks, as torch DDP's ``join``.
+
+        Ranks that run out of batches shadow the others' collectives until all are done; the
+        last rank to finish then broadcasts its model. Gradients are divided by the initial
+        world size, or by the number of ranks still training when
+        ``divide_by_initial_world_size=False``. With ``throw_on_early_termination=True`` every
+        rank raises as soon as one runs out. Equivalent to ``Join([model], ...)``; see
+        :mod:`mini_ddp.engine.join`.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The :class:`~torch.distributed.algorithms.join.Joinable` hook (``Join`` calls it)."""
+        return joining.DataParallelJoinHook(
+            self, kwargs.get("divide_by_initial_world_size", True))
+
+    def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool) -> bool | None:
+        """The all-reduce telling joined ranks whether this backward syncs (DDP's step)."""
+        return joining.announce_backward_sync(self, joined=is_joined_rank)
+
+    def _check_and_sync_module_buffers(self) -> None:
+        """A joined rank's side of the buffer broadcast before forward (DDP's step)."""
+        if self.will_sync_module_buffers():
+            self.sync_buffers(src=joining.find_common_rank(self, candidate=False))
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the last rank to join (DDP's step)."""
+        joining.sync_final_model(self, is_last_joiner)
+
+    def _find_common_rank(self, input_rank: int, rank_cond: bool) -> int:
+        """The highest rank for which ``rank_cond`` holds (``input_rank`` is this rank's)."""
+        return joining.find_common_rank(self, candidate=rank_cond)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the join protocol's own all-reduces."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """Process group of the join protocol's own all-reduces."""
+        return self.process_group
+
+    # ==== pickling: copy.deepcopy, torch.save / torch.load of the whole model =================
+    # As torch DDP: what cannot be pickled — the process group, the reducer (autograd hooks,
+    # buckets, futures) and, here, the shared-memory transport (files and a thread) — is
+    # dropped, and unpickling rebuilds the reducer over the copy's own parameters on the
+    # *default* process group. So pickling is only allowed when the model uses the default
+    # group, and loading needs an initialised default group (torch's ValueError otherwise).
+    # Rebuilding runs no collective: one rank may deepcopy its model (an EMA copy) without the
+    # others; the copy joins gradient synchronisation the next time it runs forward and
+    # backward, on every rank. The copy starts like a freshly built model (first-iteration
+    # bucket layout, no comm hook — torch DDP's copy drops its hook with the reducer too),
+    # except that no start-up broadcast runs: the copy's parameters are what was pickled.
+    def __getstate__(self) -> dict[str, Any]:
+        check_default_group(self.process_group)
+        state = copy.copy(self.__dict__)
+        for name in _NOT_PICKLED:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.process_group = _get_default_group()
+        nn.Module.__setstate__(self, state)  # not DDP's: it would build torch's reducer
+        self.transport = None  # a copy sums through Gloo (same bits): no second shm channel
+        self._attach_reducer(params_for_reducer(self.module, self.parameters_to_ignore))
+
+    # ==== torch DDP's underscore API ==========================================================
+    # Real training code, frameworks (PyTorch Lightning, Accelerate) and torch's own tests call
+    # these, so a drop-in replacement has them, with torch's warnings and error sentences.
+    def _set_static_graph(self) -> None:
+        """Switch to ``static_graph=True`` after construction, before the first forward."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        if self.reducer.num_iterations != 0:
+            err = RuntimeError(f"{STATIC_GRAPH_LATE} (mini_ddp: {self.reducer.num_iterations} "
+                               "iterations have run)")
+            self._runtime_log.record_error(err)
+            raise err
+        self.static_graph = self.config.static_graph = True
+        # Nothing has run yet: a fresh reducer takes the static-graph rules from the start
+        # (first-iteration layout, no zero-copy write-back), keeping a registered hook.
+        hook = None if self._comm_hook_name is None else (self.reducer.comm_hook,
+                                                          self.reducer.comm_hook_state)
+        self._attach_reducer(list(zip(self.reducer.names, self.reducer.params, strict=True)),
+                             comm_hook=hook)
+        if self.find_unused_parameters:
+            warnings.warn(STATIC_AND_FIND_UNUSED, stacklevel=2)
+
+    def _get_ddp_logging_data(self) -> dict[str, int | str]:
+        """torch DDP's debugging dict (same keys, meanings and types where we know them; see
+        :func:`mini_ddp.engine.torch_api.logging_data`)."""
+        return logging_data(self, self._runtime_log, self._comm_hook_name)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Sample runtime statistics every ``sample_rate`` iterations after the first ten."""
+        try:
+            self._runtime_log.set_sample_rate(sample_rate)
+        except ValueError as err:
+            self._runtime_log.record_error(err)
+            raise
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]
+                                                    ) -> None:
+        """Exclude parameters/buffers by name from syncing (DDP's static method of this name).
+
+        Marks each named tensor ``_ddp_ignored`` too, as torch does (its
+        ``_get_data_parallel_params`` and composable APIs read that mark).
+        """
+        module._ddp_params_and_buffers_to_ignore = names
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            if name in names:
+                tensor._ddp_ignored = True
+
+    def _log_and_throw(self, err_type: type[Exception], err_msg: str) -> NoReturn:
+        """Record ``err_msg`` in the logging data (key ``error``) and raise it, as DDP does."""
+        err = err_type(err_msg)
+        self._runtime_log.record_error(err)
+        raise err
+
+    def _check_default_group(self) -> None:
+        """Raise torch's RuntimeError unless the model reduces over the default group."""
+        with self._runtime_log.recording_errors():
+            check_default_group(self.process_group)
+
+    @property
+    def _distributed_rank(self) -> int:
+        """This process's rank in the model's process group."""
+        return dist.get_rank(self.process_group)
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last backward left gradients unreduced (DDP's check of that name)."""
+        self.reducer.ensure_prior_reduction_finished()
+
+    def _remove_autograd_hooks(self) -> None:
+        """Remove the reducer's gradient hooks: later backwards do not synchronise."""
+        self.reducer.remove_autograd_hooks()
+
+    def _fire_reducer_autograd_hook(self, idx: int, *unused: Any) -> None:
+        """Run parameter ``idx``'s gradient hook by hand (DDP's mixed-precision path does)."""
+        self.reducer.on_grad_accumulated(idx)
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """Whether the output sink clones the outputs (default True, as DDP's DDPSink)."""
+        self._ddp_sink_clone = val
+
+    def _lazy_init(self) -> None:
+        """What DDP initialises before the first forward: the in-backward optimizer check."""
+        self._setup_in_backward_optimizers()
+        self._lazy_init_ran = True
+
+    def _setup_in_backward_optimizers(self) -> None:
+        """Refuse ``_apply_optimizer_in_backward``: its optimizers would step on unreduced
+        gradients (DDP re-routes them through a comm hook; mini_ddp does not)."""
+        culprits = [n for n, p in self.module.named_parameters()
+                    if hasattr(p, "_in_backward_optimizers")]
+        if culprits:
+            raise NotImplementedError(
+                "mini_ddp: optimizers applied in backward (torch.distributed.optim."
+                "_apply_optimizer_in_backward) are not supported; they would step on "
+                f"gradients that are not yet averaged. Parameters: {culprits[:5]}. Step the "
+                "optimizer after backward instead.")
+
+    def _clear_grad_buffer(self) -> None:
+        """Point ``.grad`` of the delayed parameters at their buffer (DDP's after-forward step
+        for ``delay_all_reduce_named_params``); nothing to do without delayed parameters."""
+        if self.delayed is not None:
+            self.delayed.point_grads_at_buffer()
+
+    def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
+        """Raise DDP's ValueError if ``module`` has SyncBatchNorm layers on CPU."""
+        with self._runtime_log.recording_errors():
+            check_sync_batchnorm(module, self.device_type)
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int) -> tuple[tuple, tuple]:
+        """Move inputs to ``device_id`` (DDP keeps this for backward compatibility)."""
+        return _to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id), False)
+
+
+# The members of torch's class only its own constructor, reducer or join hook call: refusals
+# naming what mini_ddp does instead (mini_ddp.engine.torch_api.TORCH_INTERNALS).
+install_refusals(DataParallelModel, TORCH_INTERNALS, MODEL_REFUSAL)
+
+
+# ==== construction: what the constructor checks before it builds anything =====================
+# Where torch DDP refuses a mistake, we refuse it with the same exception type and a message
+# that starts with torch's own sentence, verbatim, so code that matches on DDP's errors keeps
+# working; our detail (which parameter, which devices) follows it.
+
+NO_GRAD_PARAMS = ("DistributedDataParallel is not needed when a module doesn't have any "
+                  "parameter that requires a gradient.")
+SINGLE_DEVICE_ID = "device_ids can only be None or contain a single element."
+UNINITIALIZED = ("Modules with uninitialized parameters can't be used with "
+                 "`DistributedDataParallel`. Run a dummy forward pass to correctly initialize "
+                 "the modules")
+DELAY_PAIR = ("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at "
+              "the same time.")
+MESH_AND_GROUP = "Cannot specify both process_group and device_mesh arguments."
+SYNC_BN_CPU = "SyncBatchNorm layers only work with GPU modules"
+STATIC_AND_FIND_UNUSED = (
+    "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
+    "will detect unused parameters automatically, so you do not need to set "
+    "find_unused_parameters=true, just be sure these unused parameters will not change during "
+    "training loop while calling `_set_static_graph`.")
+STATIC_GRAPH_LATE = ("set_static_graph() should be called before training loop starts and "
+                     "after DistributedDataParallel is constructed.")
+# torch's C++ reducer words it in the order of the call that comes second.
+TWO_HOOKS = "register_comm_hook or register_builtin_comm_hook can only be called once."
+TWO_HOOKS_BUILTIN = "register_builtin_comm_hook or register_comm_hook can only be called once."
+
+
+def resolve_process_group(process_group: dist.ProcessGroup | None, device_mesh: Any,
+                          module: nn.Module) -> dist.ProcessGroup:
+    """The group to reduce over: ``process_group``, a 1-D ``device_mesh``'s group, or WORLD.
+
+    As torch DDP: the two are mutually exclusive, and only a one-dimensional mesh is accepted
+    (its dimension 0 is the data-parallel group). A mesh sliced out of a larger one means DDP
+    combined with tensor parallelism: like torch DDP, ``module``'s DTensor parameters are then
+    turned into local tensors (re-wrapped around each forward) by torch's own
+    ``_pre_dp_module_transform``, before any parameter is inspected.
+    """
+    if process_group and device_mesh is not None:
+        raise RuntimeError(MESH_AND_GROUP)
+    if device_mesh is None:
+        return process_group or dist.group.WORLD
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    if device_mesh._get_root_mesh() != device_mesh:
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(module)
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def check_delay_pair(delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any) -> None:
+    """DDP needs both keywords or neither."""
+    if (delay_all_reduce_named_params is not None) != (param_to_hook_all_reduce is not None):
+        raise ValueError(f"{DELAY_PAIR} (mini_ddp: got delay_all_reduce_named_params="
+                         f"{delay_all_reduce_named_params!r}, param_to_hook_all_reduce="
+                         f"{type(param_to_hook_all_reduce).__name__})")
+
+
+def params_for_reducer(module: nn.Module, ignore: set[str]) -> list[tuple[str, nn.Parameter]]:
+    """DDP's parameter order: modules in ``named_modules()`` order, each module's own
+    parameters that require grad, shared parameters kept at their first occurrence."""
+    seen: set[int] = set()
+    named = []
+    for module_name, sub in module.named_modules():
+        for param_name, param in sub.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if not param.requires_grad or name in ignore or id(param) in seen:
+                continue
+            seen.add(id(param))
+            named.append((name, param))
+    return named
+
+
+def check_params(module: nn.Module, ignore: set[str]) -> None:
+    """DDP's checks on the module's (not ignored) parameters, in DDP's order."""
+    managed = [(n, p) for n, p in module.named_parameters() if n not in ignore]
+    if not any(p.requires_grad for _, p in managed):
+        raise RuntimeError(f"{NO_GRAD_PARAMS} (mini_ddp: {type(module).__name__} has "
+                           f"{len(managed)} such parameters, none requires grad)")
+    device_types = {p.device.type for _, p in managed}
+    if len(device_types) != 1:
+        where = {t: next(n for n, p in managed if p.device.type == t) for t in device_types}
+        raise ValueError(
+            "DistributedDataParallel's input module must be on the same type of devices, but "
+            f"input module parameters locate in {device_types}. (mini_ddp: e.g. {where}"
+            f"{'; materialise meta device parameters first' if 'meta' in device_types else ''})")
+    for name, param in managed:
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise RuntimeError(f"{UNINITIALIZED} (mini_ddp: parameter '{name}' is uninitialized)")
+    for name, param in managed:
+        if param.device.type == "meta":
+            # torch DDP fails later, inside its start-up collectives.
+            raise RuntimeError(f"mini_ddp: parameter '{name}' is on the meta device: "
+                               "materialise the model (e.g. to_empty + init) first.")
+
+
+def check_device_ids(module: nn.Module, ignore: set[str], device_ids: Any, output_device: Any
+                     ) -> tuple[list[int] | None, int | None]:
+    """``(device_ids, output_device)`` as DDP normalises them (None for CPU/multi-device)."""
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"{SINGLE_DEVICE_ID} (mini_ddp: got {list(device_ids)}; one device "
+                         "per process)")
+    devices = {p.device for n, p in module.named_parameters() if n not in ignore}
+    device_type = next(iter(devices)).type
+    if not device_ids or device_type == "cpu" or len(devices) > 1:
+        # As DDP: a falsy output_device (0) passes unnoticed on CPU.
+        if device_ids or output_device:
+            raise ValueError(
+                "DistributedDataParallel device_ids and output_device arguments only work "
+                "with single-device/multiple-device GPU modules or CPU modules, but got "
+                f"device_ids {device_ids}, output_device {output_device}, and module "
+                f"parameters {devices}.")
+        return None, None
+    ids = [torch._utils._get_device_index(d, True) for d in device_ids]
+    out = ids[0] if output_device is None else torch._utils._get_device_index(output_device,
+                                                                               True)
+    return ids, out
+
+
+def check_sync_batchnorm(module: nn.Module, device_type: str) -> None:
+    """DDP refuses SyncBatchNorm on CPU at construction (its forward would fail anyway)."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.SyncBatchNorm) and device_type == "cpu":
+            raise ValueError(f"{SYNC_BN_CPU} (mini_ddp: '{name or type(module).__name__}' is "
+                             "on CPU; use nn.BatchNorm* there, or convert with "
+                             "nn.SyncBatchNorm.convert_sync_batchnorm only on GPU)")
+
+
+# ==== the output sink: an identity on the forward's outputs whose backward runs first =========
+# forward routes its outputs through it when it must act before any parameter gradient
+# arrives (find_unused_parameters, a static graph's first iteration), and find_tensors
+# collects the outputs the unused-parameter search starts from.
+
+class OutputSink(torch.autograd.Function):
+    """Identity on the forward outputs whose backward runs before any parameter gradient.
+
+    With ``find_unused_parameters`` it keeps undefined gradients undefined
+    (``set_materialize_grads(False)``): an output left out of the loss then sends *no*
+    gradient into its subgraph, whose parameters' hooks still fire — marked ready with zeros
+    and kept as globally unused, as in DDP. With ``static_graph`` its backward queues the
+    iteration-1 reduction, which must run after all hooks
+    (:meth:`DataParallelModel._on_outputs_backward`).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, on_backward: weakref.WeakMethod, clone: bool, *outputs: Any) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.on_backward = on_backward
+        # DDPSink clones unless ``_set_ddp_sink_clone(False)``: a loss modified in place must
+        # not be the sink's own output.
+        return tuple(o.clone() if clone and isinstance(o, torch.Tensor) else o for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        on_backward = ctx.on_backward()  # None once the model is gone
+        if on_backward is not None:
+            on_backward()
+        return (None, None, *grads)
+
+
+def through_sink(output: Any, on_backward: Callable[[], None], clone: bool = True) -> Any:
+    """Route every output tensor through :class:`OutputSink`; ``on_backward`` (a bound method,
+    held weakly: the graph must not keep the model alive) runs when its backward does;
+    ``clone=False`` passes the tensors through uncloned (``_set_ddp_sink_clone(False)``)."""
+    leaves, spec = pytree.tree_flatten(output)
+    passed = OutputSink.apply(weakref.WeakMethod(on_backward), clone, *leaves)
+    # Tensors that are not part of a graph stay as they were (DDP does the same).
+    merged = [leaf if isinstance(leaf, torch.Tensor) and leaf.grad_fn is None else new
+              for leaf, new in zip(leaves, passed, strict=True)]
+    return pytree.tree_unflatten(merged, spec)
+
+
+def find_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in an output: tensors, lists/tuples (namedtuples), dicts, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in find_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in find_tensors(item)]
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in fields(obj) for t in find_tensors(getattr(obj, f.name))]
+    return []
+
+
+# ==== torch DDP's "python reducer": the mode compiled autograd synchronises gradients in ======
+# With torch._dynamo.config.optimize_ddp = "python_reducer" set before construction, torch DDP
+# skips its reducer altogether: its forward does no bookkeeping, and a post-accumulate-grad
+# hook on every parameter divides .grad by the world size, all-reduces it with a functional
+# collective (torch.distributed._functional_collectives.all_reduce) and copies the result
+# back. Under compiled autograd (torch._dynamo.config.compiled_autograd = True) those hooks are
+# traced into the compiled backward and inductor buckets the all-reduces
+# (_fuse_ddp_communication). DataParallelModel in that mode does exactly the same, so it gives
+# torch DDP's bits; its own reducer (buckets, hooks on AccumulateGrad nodes) is left unarmed,
+# as torch DDP leaves its C++ one.
+
+def python_reducer_requested() -> bool:
+    """Is torch.compile configured for the python reducer (``optimize_ddp="python_reducer"``)?
+
+    Only dynamo's config can ask for it, so without ``torch._dynamo`` imported the answer is
+    no — and constructing a model does not import dynamo (seconds of CPU) to find out.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
+
+
+def refuse_compiled_autograd_without_python_reducer(model: DataParallelModel) -> None:
+    """Before a forward on mini_ddp's own reducer: refuse compiled autograd (its hooks cannot
+    run inside a compiled backward; the step's gradients would stay local)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and dynamo.config.compiled_autograd:
+        rank = torch.distributed.get_rank(model.process_group)
+        raise MiniDDPError(
+            f"mini_ddp: torch._dynamo.config.compiled_autograd is on (rank {rank}), but "
+            "DataParallelModel was built without torch DDP's python reducer: its own reducer's "
+            "gradient hooks cannot run inside a compiled backward, and the gradients would not "
+            "be averaged. Set torch._dynamo.config.optimize_ddp = \"python_reducer\" before "
+            "building the model (as torch DDP requires for compiled autograd; see "
+            "docs/compile.md), or turn compiled_autograd off.")
+
+
+def configure_inductor(bucket_bytes_cap: int) -> None:
+    """What torch DDP's constructor sets in this mode: inductor fuses the traced all-reduces
+    into buckets of the cap (the fused layout decides Gloo's summation order). torch hands it
+    the cap in whole MiB (``bucket_bytes_cap // 2**20``: 25 by default, 0 below 1 MiB)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config._fuse_ddp_communication = True
+    inductor_config._fuse_ddp_bucket_size = bucket_bytes_cap // MIB
+
+
+def _python_reducer_hook(model: DataParallelModel, param: torch.Tensor) -> None:
+    """torch DDP's ``compiled_accum_grad_hook``: average ``param.grad`` across the group."""
+    import torch.distributed._functional_collectives as fcol
+
+    if not model.require_backward_grad_sync or param.grad is None:  # no_sync(): stays local
+        return
+    hook, state = model.reducer.comm_hook, model.reducer.comm_hook_state
+    if hook is not None:  # torch calls a registered hook per parameter, with (grad, param)
+        hook(state, (param.grad, param))
+        return
+    gradient = param.grad / model.process_group.size()
+    gradient = fcol.all_reduce(gradient, "sum", model.process_group)
+    param.grad.copy_(gradient)
+
+
+def register_python_reducer_hooks(model: DataParallelModel, params: list[nn.Parameter]
+                                  ) -> list[RemovableHandle]:
+    """One post-accumulate-grad hook per parameter that requires a gradient, as torch DDP."""
+    return [p.register_post_accumulate_grad_hook(functools.partial(_python_reducer_hook, model))
+            for p in params if p.requires_grad]
+
+
+# ==== pickling: torch DDP's rule ==============================================================
+NOT_DEFAULT_GROUP = ("DDP Pickling/Unpickling are only supported when using DDP with the "
+                     "default process group. That is, when you have called init_process_group "
+                     "and have not passed process_group argument to DDP constructor")
+
+# Live objects a copy cannot share or carry (groups, hooks, files, threads, a store); rebuilt
+# (or left off) by unpickling.
+_NOT_PICKLED = ("process_group", "reducer", "transport", "stall_monitor")
+
+
+def check_default_group(process_group: dist.ProcessGroup | None) -> None:
+    """Refuse to pickle a model on a group other than the default one (torch DDP's rule).
+
+    Without any default group, torch's own ``ValueError`` ("Default process group has not
+    been initialized ...") propagates, as it does from DDP.
+    """
+    if process_group is not _get_default_group():
+        raise RuntimeError(f"{NOT_DEFAULT_GROUP} (mini_ddp: this model reduces over a group "
+                           f"of {dist.get_world_size(process_group)} ranks made with new_group "
+                           "or a device_mesh)")

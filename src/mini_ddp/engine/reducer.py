@@ -48,15 +48,16 @@ from mini_ddp.engine.bucket_wait import wait_for_collective
 from mini_ddp.engine.config import DataParallelConfig
 from mini_ddp.engine.grad_routing import flush_if_batched, grad_into_bucket, skipped
 from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook, result_tensor
-from mini_ddp.engine.logging_data import (
+from mini_ddp.engine.reducer_state import ReducerState
+from mini_ddp.engine.sparse import sparse_write_back
+from mini_ddp.engine.torch_api import (
     BACKWARD_COMM_END,
     BACKWARD_COMM_START,
     BACKWARD_COMPUTE_END,
     BACKWARD_COMPUTE_START,
+    TorchReducerAPI,
+    outputs_list,
 )
-from mini_ddp.engine.reducer_state import ReducerState
-from mini_ddp.engine.sparse import sparse_write_back
-from mini_ddp.engine.torch_reducer_api import TorchReducerAPI, outputs_list
 from mini_ddp.errors import GradSyncTimeout, MarkedTwiceError, describe_bucket, naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
 
@@ -69,7 +70,7 @@ def _grad_accumulator(param: torch.Tensor) -> Any:
 class Reducer(TorchReducerAPI, ReducerState):
     """Hooks and the hook -> bucket -> launch -> wait -> write-back path of one model.
 
-    Answers torch's reducer methods by name too (:mod:`mini_ddp.engine.torch_reducer_api`).
+    Answers torch's reducer methods by name too (:mod:`mini_ddp.engine.torch_api`).
     """
 
     flight: Any = None  # the flight recorder's ring (mini_ddp.engine.flight_log), or None

@@ -4,7 +4,7 @@ The classic DDP hang: on one rank a parameter gets no gradient (its branch was s
 output left out of the loss). That rank's bucket never fills, so it never launches that
 bucket's all-reduce (nor any later one); its backward simply returns, and only its *next*
 forward raises. Every other rank launched the bucket and now waits for a partner that will
-never come — with torch DDP, for the process group's 30-minute timeout, with no word on why.
+never come — with torch DDP, for the process group's timeout (torch's default: 30 minutes), with no word on why.
 
 ``StallWatchdog(model, limit_s=60)`` makes each rank leave marks in the process group's store
 (the key-value store every rank already shares): which step it is in and how many buckets it

@@ -1,6 +1,6 @@
 """python -m mini_ddp demo - the main job, in three acts, on CPU, offline, in a few minutes.
 
-1. Train: seed 002's LeNet-style CNN on scikit-learn's bundled handwritten digits, with
+1. Train: the LeNet-style CNN of examples/seed002_lenet.py on scikit-learn's bundled handwritten digits, with
    DataParallelModel on 2 Gloo ranks (examples/seed002_lenet.py, the same script a user
    runs): a progress bar, the loss going down, the test accuracy at each epoch's end.
 2. Prove: the same CNN trained under torch DDP and under mini_ddp side by side in the same
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{EXAMPLE} not found: the demo runs from a checkout of the repository")
     started = time.monotonic()
 
-    _banner(f"1/3 training seed 002's CNN on the bundled digits, {args.world_size} CPU ranks")
+    _banner(f"1/3 training the LeNet-style CNN on the bundled digits, {args.world_size} CPU ranks")
     command = [sys.executable, str(EXAMPLE), "--world-size", str(args.world_size),
                "--epochs", str(args.epochs)]
     if args.max_steps is not None:

@@ -4,14 +4,17 @@
 loss, targets); ``parity``, ``explain``, ``trace``, ``bench`` and ``cost-model`` all take
 their models from it, and :func:`resolve_model` also accepts ``module:attr``.
 
-The models of the three seed programs are here as standalone modules the examples import:
+The models of the three example programs (``examples/seed*.py``) live here, so the examples,
+tests and tools import one definition:
 
-* :class:`Seed002CNN` - the LeNet-style ``nn.Sequential`` of seed 002, for 3 x 32 x 32 input.
-* :class:`Seed004MyModel` - ``MyModel`` of seed 004: two unpadded 3x3 convolutions and a linear
+* :class:`Seed002CNN` - the LeNet-style ``nn.Sequential`` of ``seed002_lenet.py``, for
+  3 x 32 x 32 input.
+* :class:`Seed004MyModel` - ``MyModel`` of ``seed004_mymodel.py``: two unpadded 3x3 convolutions and a linear
   layer sized ``128 * 10 * 10``, so it only fits 3 x 14 x 14 input (14 -> 12 -> 10).
-* :func:`resnet18_cifar` - torchvision's ResNet-18 of seed 000, untrained, with a 10-way head.
+* :func:`resnet18_cifar` - torchvision's ResNet-18, untrained, with a 10-way head
+  (``seed000_resnet18_cifar.py``).
 
-Layer names and shapes are kept exactly as the seeds wrote them, so their checkpoints line up.
+Layer names and shapes are those of the plain programs, so their checkpoints line up.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ __all__ = ["LOSSES", "ZOO", "MixedDtypeMLP", "ModelSpec", "Seed002CNN", "Seed004
 
 
 class Seed002CNN(nn.Sequential):
-    """LeNet-5-style CNN of seed 002: conv(3->6,5) pool conv(6->16,5) pool, then 120-84-classes.
+    """LeNet-5-style CNN of ``seed002_lenet.py``: conv(3->6,5) pool conv(6->16,5) pool, then 120-84-classes.
 
     A subclass of ``nn.Sequential`` (rather than a module holding one) so that its
-    ``state_dict`` keys (``0.weight``, ``7.bias`` ...) match the seed's plain Sequential.
+    ``state_dict`` keys (``0.weight``, ``7.bias`` ...) match a plain Sequential's.
     """
 
     input_size = 32
@@ -56,7 +59,7 @@ class Seed002CNN(nn.Sequential):
 
 
 class Seed004MyModel(nn.Module):
-    """``MyModel`` of seed 004: conv(3->64,3) relu conv(64->128,3) relu, linear(12800->classes).
+    """``MyModel`` of ``seed004_mymodel.py``: conv(3->64,3) relu conv(64->128,3) relu, linear(12800->classes).
 
     The convolutions have no padding, so 14 x 14 input becomes 10 x 10 feature maps, which is
     what the ``128 * 10 * 10`` linear layer expects. Any other input size fails in ``fc``.
@@ -75,16 +78,15 @@ class Seed004MyModel(nn.Module):
         """Logits of shape (batch, num_classes) for a (batch, 3, 14, 14) input."""
         x = self.relu(self.conv1(x))
         x = self.relu(self.conv2(x))
-        # flatten, not view: the seed's x.view(...) fails on non-contiguous (channels_last) input
+        # flatten, not view: x.view(...) fails on non-contiguous (channels_last) input
         return self.fc(torch.flatten(x, 1))
 
 
 def resnet18_cifar(num_classes: int = 10) -> nn.Module:
-    """torchvision's ResNet-18 with random weights and a ``num_classes``-way head (seed 000).
+    """torchvision's ResNet-18 with random weights and a ``num_classes``-way head.
 
-    The seed asked for ``resnet18(pretrained=False)``, a 1000-way head for a 10-class problem;
-    ``weights=None`` is today's spelling of "untrained". The ImageNet stem is kept as the seed
-    had it: on 32 x 32 input it downsamples to 8 x 8 early, which costs some CIFAR accuracy but
+    ``weights=None`` means untrained (``resnet18(pretrained=False)`` would also build a
+    1000-way head for a 10-class problem). The ImageNet stem is kept: on 32 x 32 input it downsamples to 8 x 8 early, which costs some CIFAR accuracy but
     keeps the network cheap enough to run on a CPU.
     """
     # Imported here because torchvision adds seconds to start-up and only this model needs it.
@@ -187,7 +189,7 @@ MLP20M_WIDTHS = [1024, 2688, 2688, 2688, 1024, 10]
 ZOO: dict[str, ModelSpec] = {
     "mlp": ModelSpec(lambda: mlp([32, 64, 64, 10]), (32,), "MLP 32-64-64-10"),
     "tiny": ModelSpec(lambda: mlp([16, 32, 32, 4]), (16,), "MLP 16-32-32-4", num_classes=4),
-    "lenet": ModelSpec(Seed002CNN, (3, 32, 32), "seed 002's LeNet-style CNN, 3x32x32"),
+    "lenet": ModelSpec(Seed002CNN, (3, 32, 32), "LeNet-style CNN (examples/seed002_lenet.py), 3x32x32"),
     "seed004": ModelSpec(Seed004MyModel, (3, 14, 14), "seed 004's two-conv CNN, 3x14x14"),
     "resnet18": ModelSpec(resnet18_cifar, (3, 32, 32), "ResNet-18, 3x32x32"),
     "mixed": ModelSpec(MixedDtypeMLP, (64,), "MLP with a float64 head (two dtypes)"),
