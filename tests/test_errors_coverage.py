@@ -41,6 +41,9 @@ HOLE = "\x00"  # stands for a value only known at run time
 # message (or, for a site with no literal text, of its source expression), with the reason.
 ALLOWED: dict[str, str] = {
     "this is a bug in mini_ddp": "internal invariant: the message says it is a bug",
+    "is implemented; it cannot also be refused":
+        "internal invariant, checked when the package is imported (a refusal table names a "
+        "method the class defines)",
     "assign_buckets needs at least one parameter":
         "internal invariant: DataParallelModel refuses a module without trainable parameters "
         "first ('Nothing to train')",
