@@ -1,4 +1,5 @@
-"""Read the fenced code blocks out of a markdown page, so tests can run what the docs show."""
+"""Read markdown pages for tests: fenced code blocks (to run what the docs show), and the
+entries of docs/errors.md."""
 
 from __future__ import annotations
 
@@ -23,3 +24,18 @@ def block_containing(page: str, marker: str, language: str = "python") -> str:
         raise AssertionError(f"docs/{page}: expected one {language} block containing "
                              f"{marker!r}, found {len(found)}")
     return found[0]
+
+
+_ERROR_ENTRY = re.compile(r"^### (?P<title>.+?)\n(?P<body>.*?)(?=^##|\Z)",
+                          re.MULTILINE | re.DOTALL)
+
+
+def error_entries() -> list[tuple[str, str, str]]:
+    """docs/errors.md's entries: (title, the **Raised:** type, the **Message contains:** text)."""
+    out = []
+    for m in _ERROR_ENTRY.finditer((DOCS / "errors.md").read_text()):
+        raised = re.search(r"\*\*Raised:\*\* `(\w+)`", m["body"])
+        text = re.search(r"\*\*Message contains:\*\* `([^`]+)`", m["body"])
+        assert raised and text, f"docs/errors.md: entry {m['title']!r} lacks Raised/Message"
+        out.append((m["title"].strip(), raised[1], text[1]))
+    return out

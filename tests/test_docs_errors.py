@@ -4,36 +4,49 @@ The page lists entries as ``### title`` with ``**Raised:** `Type``` and
 ``**Message contains:** `text```. Each title has a trigger below (and each trigger a title), so
 an entry cannot be added, removed or reworded without this test noticing. Construction and
 single-process errors run in this process on a one-rank Gloo group (a FileStore in a temporary
-file); the two that need a peer run on two ranks.
+file), or with no group at all for helpers that need none; those that need a peer run on two
+ranks (a fault injected where the error answers a failure of the operating system or a peer).
 """
 
 from __future__ import annotations
 
-import re
+import argparse
+import errno
+import os
+import pickle
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-from docs_snippets import DOCS
+from docs_snippets import error_entries
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
 
-from mini_ddp import DataParallelModel, run_ranks
-
-_ENTRY = re.compile(r"^### (?P<title>.+?)\n(?P<body>.*?)(?=^##|\Z)", re.MULTILINE | re.DOTALL)
+from mini_ddp import (
+    DataParallelModel,
+    DesyncDetector,
+    SharedMemoryAllreduce,
+    StallWatchdog,
+    check_in_sync,
+    gloo_safe,
+    run_ranks,
+)
+from mini_ddp.engine.multi_device import MultiDeviceDataParallel
+from mini_ddp.ladder.naive import NaiveDataParallel
+from mini_ddp.observe.flight_recorder import flight_recorder
+from mini_ddp.tools import bench_models, parity
+from mini_ddp.tools.parity_options import ParityOptions
+from mini_ddp.training import data, launch, models
+from mini_ddp.transport import local_comm
+from mini_ddp.transport.collectives import naive
 
 
 def _entries() -> dict[str, tuple[str, str]]:
-    entries = {}
-    for m in _ENTRY.finditer((DOCS / "errors.md").read_text()):
-        raised = re.search(r"\*\*Raised:\*\* `(\w+)`", m["body"])
-        text = re.search(r"\*\*Message contains:\*\* `([^`]+)`", m["body"])
-        assert raised and text, f"docs/errors.md: entry {m['title']!r} lacks Raised/Message"
-        entries[m["title"].strip()] = (raised[1], text[1])
-    return entries
+    return {title: (kind, text) for title, kind, text in error_entries()}
 
 
 # ---- triggers: each returns the exception it provoked ---------------------------------------
@@ -97,6 +110,158 @@ def _list_future_hook():
     model(torch.randn(1, 2)).sum().backward()
 
 
+def _meta_and_cpu() -> nn.Module:
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    return module
+
+
+def _mesh_and_group():
+    from torch.distributed.device_mesh import init_device_mesh
+    DataParallelModel(nn.Linear(2, 2), process_group=dist.group.WORLD,
+                      device_mesh=init_device_mesh("cpu", (1,)))
+
+
+def _two_d_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    DataParallelModel(nn.Linear(2, 2), device_mesh=init_device_mesh("cpu", (1, 1)))
+
+
+def _static_graph_late():
+    model = DataParallelModel(nn.Linear(2, 2))
+    model(torch.randn(1, 2)).sum().backward()
+    model._set_static_graph()
+
+
+def _optimizer_in_backward():
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    inner = nn.Linear(2, 2)
+    _apply_optimizer_in_backward(torch.optim.SGD, inner.parameters(), {"lr": 0.1})
+    DataParallelModel(inner)(torch.randn(1, 2))
+
+
+def _pickle_on_subgroup():
+    model = DataParallelModel(nn.Linear(2, 2), process_group=dist.new_group([0]))
+    pickle.dumps(model)
+
+
+class _StepInForward(nn.Module):
+    """forward() runs backward itself, and nothing arms the reducer for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(2, 2)
+
+    def forward(self, x):
+        self.net(x).sum().backward()
+        return x
+
+
+class _SometimesBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.branch = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x, branch):
+        return self.branch(self.trunk(x)) if branch else self.trunk(x)
+
+
+def _graph_changed():
+    model = DataParallelModel(_SometimesBranch(), static_graph=True)
+    model(torch.randn(1, 2), False).sum().backward()
+    model(torch.randn(1, 2), True).sum().backward()
+
+
+class _SparseSkipped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(5, 2, sparse=True), nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+class _SparseUsedDensely(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 2, sparse=True)
+
+    def forward(self, x):
+        return x @ self.embed.weight.T
+
+
+def _sparse_unused():
+    model = DataParallelModel(_SparseSkipped(), find_unused_parameters=True)
+    model(torch.randn(1, 2)).sum().backward()
+
+
+def _sparse_dense_grad():
+    model = DataParallelModel(_SparseUsedDensely())
+    model(torch.randn(1, 2)).sum().backward()
+
+
+def _sparse_hook_dense():
+    model = DataParallelModel(nn.Embedding(5, 2, sparse=True))
+    model.register_comm_hook(None, lambda state, bucket: _done(bucket.buffer().to_dense()))
+    model(torch.tensor([1, 2])).sum().backward()
+
+
+def _done(value) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _compiled_autograd():
+    import torch._dynamo
+
+    model = DataParallelModel(nn.Linear(2, 2))
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        model(torch.randn(1, 2))
+
+
+def _failing_rank(ctx):
+    raise ValueError("this rank fails on purpose")
+
+
+def _hook(fn):
+    model = DataParallelModel(nn.Linear(2, 2))
+    model.register_comm_hook(None, fn)
+    model(torch.randn(1, 2)).sum().backward()
+
+
+def _bad_bucket_annotation(state, bucket: int) -> torch.futures.Future[torch.Tensor]:
+    return _done(bucket.buffer())
+
+
+def _bad_return_annotation(state, bucket) -> int:
+    return _done(bucket.buffer())
+
+
+def _second_builtin_hook():
+    model = DataParallelModel(nn.Linear(2, 2))
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+
+
+def _gloo_safe_timeout():
+    _hook(gloo_safe(lambda state, bucket: torch.futures.Future(), timeout_s=0.2))
+
+
+def _ladder_unused():
+    model = NaiveDataParallel(_Unused())
+    model(torch.randn(1, 2)).sum().backward()
+    model.sync_grads()
+
+
+def _no_flight_recorder():
+    flight_recorder(DataParallelModel(nn.Linear(2, 2), stall_warning_s=None))
+
+
+def _world_size_contradicts():
+    with mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "1"}):
+        launch.launch(lambda args, info: None, argparse.Namespace(world_size=3))
+
+
 IN_PROCESS: dict[str, Callable[[], object]] = {
     "Nothing to train": lambda: DataParallelModel(nn.Linear(2, 2).requires_grad_(False)),
     "Lazy module not materialised": lambda: DataParallelModel(nn.LazyLinear(2)),
@@ -106,6 +271,75 @@ IN_PROCESS: dict[str, Callable[[], object]] = {
     "Backward twice on one forward": _backward_twice,
     "Second hook": _second_hook,
     "Hook's future holds a list": _list_future_hook,
+    "Several `device_ids`": lambda: DataParallelModel(nn.Linear(2, 2), device_ids=[0, 1]),
+    "Parameters on the meta device": lambda: DataParallelModel(nn.Linear(2, 2, device="meta")),
+    "Parameters on different device types": lambda: DataParallelModel(_meta_and_cpu()),
+    "`SyncBatchNorm` on CPU": lambda: DataParallelModel(nn.SyncBatchNorm(2)),
+    "Only one of the delayed-all-reduce keywords":
+        lambda: DataParallelModel(nn.Linear(2, 2), delay_all_reduce_named_params=[]),
+    "Both `process_group` and `device_mesh`": _mesh_and_group,
+    "A device mesh of more than one dimension": _two_d_mesh,
+    "`_set_static_graph()` after training started": _static_graph_late,
+    "Optimizers applied in backward": _optimizer_in_backward,
+    "A torch-internal member of `DistributedDataParallel`":
+        lambda: DataParallelModel(nn.Linear(2, 2))._register_fused_optim([], None),
+    "A torch-internal member of the reducer":
+        lambda: DataParallelModel(nn.Linear(2, 2)).reducer._set_optimizer_in_backward(),
+    "Pickling a model on a subgroup": _pickle_on_subgroup,
+    "Logging sample rate below 1":
+        lambda: DataParallelModel(nn.Linear(2, 2))._set_ddp_runtime_logging_sample_rate(0),
+    "`MultiDeviceDataParallel` without `device_ids`, or with an unusable batch":
+        lambda: MultiDeviceDataParallel(nn.Linear(2, 2), device_ids=None),
+    "`MultiDeviceDataParallel`: a CUDA device twice":  # device objects only: no GPU needed
+        lambda: MultiDeviceDataParallel(nn.Linear(2, 2), device_ids=["cuda:0", "cuda:0"]),
+    "`MultiDeviceDataParallel`: module not on `device_ids[0]`":
+        lambda: MultiDeviceDataParallel(nn.Linear(2, 2, device="meta"), device_ids=["cpu"]),
+    "A backward inside a forward that nothing armed":
+        lambda: DataParallelModel(_StepInForward())(torch.randn(1, 2)),
+    "The graph changed under `static_graph=True`": _graph_changed,
+    "A rung of the teaching ladder: a parameter got no gradient": _ladder_unused,
+    "A sparse parameter got no gradient": _sparse_unused,
+    "A sparse parameter got a dense gradient": _sparse_dense_grad,
+    "Compiled autograd without the python reducer": _compiled_autograd,
+    "Second built-in hook": _second_builtin_hook,
+    "Hook not callable": lambda: DataParallelModel(nn.Linear(2, 2)).register_comm_hook(None, 3),
+    "Hook with the wrong number of arguments": lambda: _hook(lambda bucket: None),
+    "Hook's bucket annotation": lambda: _hook(_bad_bucket_annotation),
+    "Hook's return annotation": lambda: _hook(_bad_return_annotation),
+    "Unknown built-in hook":
+        lambda: DataParallelModel(nn.Linear(2, 2))._register_builtin_comm_hook("ALLREDUCE"),
+    "Hook returned something other than a Future":
+        lambda: _hook(lambda state, bucket: bucket.buffer()),
+    "Hook's tensor has the wrong shape":
+        lambda: _hook(lambda state, bucket: _done(torch.zeros(1))),
+    "A sparse bucket's hook returned a dense tensor": _sparse_hook_dense,
+    "`gloo_safe` hook timed out": _gloo_safe_timeout,
+    "`StallWatchdog` action":
+        lambda: StallWatchdog(DataParallelModel(nn.Linear(2, 2)), action="shout"),
+    "`DesyncDetector` interval": lambda: DesyncDetector(DataParallelModel(nn.Linear(2, 2)), 0),
+    "No flight recorder": _no_flight_recorder,
+}
+
+# Errors of helpers that need no process group.
+NO_GROUP: dict[str, Callable[[], object]] = {
+    "`run_ranks`: a rank failed": lambda: run_ranks(_failing_rank, 1, timeout_s=60),
+    "`mini_ddp.transport.local_comm` arguments": lambda: local_comm.gather([], "cpu"),
+    "Sparse tensors to `local_comm` on CPU": lambda: local_comm.broadcast_coalesced(
+        [torch.eye(2).to_sparse()], ["cpu", "cpu"]),
+    "Unknown model name": lambda: models.resolve_model("no-such-model"),
+    "`--local-rank` without a launcher": lambda: launch.detect_launcher({}, 0),
+    "`--world-size` against the launcher's": _world_size_contradicts,
+    "Dataset files missing": lambda: data.load_cifar10(os.devnull + "-nowhere"),
+    "`mini_ddp parity`: unknown reference":
+        lambda: parity.run_parity(ParityOptions(reference="nearby")),
+    "`mini_ddp bench`: unknown engine":
+        lambda: bench_models.build_engine("warp-drive", nn.Linear(2, 2), None, False),
+    "Hand-written collectives: unsupported reduce op":
+        lambda: naive.flat_view(torch.zeros(2), dist.ReduceOp.BAND),
+    "Hand-written collectives: non-contiguous tensor":
+        lambda: naive.flat_view(torch.zeros(2, 3).t()),
+    "Hand-written collectives: AVG of integers":
+        lambda: naive.flat_view(torch.zeros(2, dtype=torch.int64), dist.ReduceOp.AVG),
 }
 
 
@@ -117,17 +351,29 @@ def _mismatch(ctx) -> str:
     return "no error"
 
 
-def _timeout_rank(ctx) -> str:
-    model = DataParallelModel(nn.Linear(2, 2), sync_timeout_s=2.0)
-    if ctx.rank == 1:  # late: rank 0 gives up first (this rank may then see a failed collective)
-        time.sleep(4)
+def _late_peer(ctx, watchdog: bool) -> str:
+    """Rank 1 is late; rank 0 gives up first: at its sync_timeout_s (GradSyncTimeout), or at
+    its StallWatchdog's limit (StallError). Rank 1 may then see a failed collective."""
+    model = DataParallelModel(nn.Linear(2, 2), sync_timeout_s=6.0 if watchdog else 2.0)
+    if ctx.rank == 1:
+        time.sleep(3 if watchdog else 4)
         try:
             model(torch.randn(1, 2)).sum().backward()
         except RuntimeError:
             pass
         return "late"
+    if watchdog:
+        StallWatchdog(model, limit_s=1.0).install()
     err = _raised(lambda: model(torch.randn(1, 2)).sum().backward())
     return f"{type(err).__name__}|{err}"
+
+
+def _timeout_rank(ctx) -> str:
+    return _late_peer(ctx, watchdog=False)
+
+
+def _stall(ctx) -> str:
+    return _late_peer(ctx, watchdog=True)
 
 
 def _dead_peer(ctx) -> str:
@@ -140,16 +386,74 @@ def _dead_peer(ctx) -> str:
     return f"{type(err).__name__}|{err}"
 
 
+def _desync(ctx) -> str:
+    model = DataParallelModel(nn.Linear(2, 2))
+    if ctx.rank == 1:
+        with torch.no_grad():
+            model.module.weight[0, 0] += 1  # a rank-local edit
+    err = _raised(lambda: check_in_sync(model))
+    return f"{type(err).__name__}|{err}"
+
+
+def _shm(ctx, what: str) -> str:
+    shm = SharedMemoryAllreduce.create()
+    if what == "desync":
+        err = _raised(lambda: shm.allocate(10 + ctx.rank, torch.float32))
+    elif what == "closed":
+        shm.close()
+        err = _raised(lambda: shm.allocate(10, torch.float32))
+    elif what == "numel":
+        err = _raised(lambda: shm.allocate(-1, torch.float32))
+    elif what == "dtype":
+        buffer = shm.allocate(4, torch.int32)
+        err = _raised(lambda: shm.all_reduce(buffer))
+    elif what == "foreign":
+        err = _raised(lambda: shm.all_reduce(torch.zeros(4)))
+    elif what == "worker thread":  # a callback of the transport's future runs on its thread
+        buffer = shm.allocate(4, torch.float32)
+        fut = shm.all_reduce(buffer).then(lambda _: shm.allocate(4, torch.float32))
+        err = _raised(fut.wait)
+    elif what == "peer failed":
+        buffer = shm.allocate(4, torch.float32)
+        if ctx.rank == 1:  # this rank's half of the sum fails; rank 0 reports its peer
+            with mock.patch("mini_ddp.transport.shm.sum_range", side_effect=RuntimeError("boom")):
+                _raised(shm.all_reduce(buffer).wait)
+            shm.close()
+            return "late"
+        err = _raised(shm.all_reduce(buffer).wait)
+    else:  # the memory file cannot be reserved (exhausted memory): both ranks raise
+        no_memory = OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        with mock.patch("os.posix_fallocate", side_effect=no_memory):
+            err = _raised(lambda: shm.allocate(10, torch.float64))
+    shm.close()
+    return f"{type(err).__name__}|{err}"
+
+
 TWO_RANKS: dict[str, Callable] = {
     "Ranks built different models": _mismatch,
     "A peer stopped answering": _timeout_rank,
     "A peer died": _dead_peer,
+    "A stall, seen by the watchdog": _stall,
+    "Replicas out of sync": _desync,
+}
+# Two-rank entries of the shared-memory transport: the scenario of _shm that raises each.
+SHM: dict[str, str] = {
+    "Ranks out of step on the shared-memory transport": "desync",
+    "Shared-memory transport used after close": "closed",
+    "A shared buffer could not be created or mapped": "huge",
+    "The peer failed its half of a shared-memory sum": "peer failed",
+    "Shared-memory transport arguments": "numel",
+    "Shared-memory sum of an unsupported dtype": "dtype",
+    "Not a buffer of the shared-memory transport": "foreign",
+    "Shared-memory allocate from the transport's own thread": "worker thread",
 }
 NOT_INITIALISED = "Process group not initialised"
 
 
 def test_every_entry_has_a_trigger():
-    assert set(_entries()) == set(IN_PROCESS) | set(TWO_RANKS) | {NOT_INITIALISED}
+    triggers = [*IN_PROCESS, *NO_GROUP, *TWO_RANKS, *SHM, NOT_INITIALISED]
+    assert len(triggers) == len(set(triggers))
+    assert set(_entries()) == set(triggers)
 
 
 def test_not_initialised_entry():
@@ -167,10 +471,19 @@ def test_in_process_entry(title, one_rank_group):
     assert text in str(err), f"{title}: {err}"
 
 
-@pytest.mark.parametrize("title", sorted(TWO_RANKS))
+@pytest.mark.parametrize("title", sorted(NO_GROUP))
+def test_no_group_entry(title):
+    kind, text = _entries()[title]
+    err = _raised(NO_GROUP[title])
+    assert type(err).__name__ == kind, f"{title}: {type(err).__name__}: {err}"
+    assert text in str(err), f"{title}: {err}"
+
+
+@pytest.mark.parametrize("title", sorted([*TWO_RANKS, *SHM]))
 def test_two_rank_entry(title):
     kind, text = _entries()[title]
-    for result in run_ranks(TWO_RANKS[title], 2, timeout_s=60):
+    fn, args = (_shm, (SHM[title],)) if title in SHM else (TWO_RANKS[title], ())
+    for result in run_ranks(fn, 2, args=args, timeout_s=60):
         if result in ("late", "left"):
             continue
         got_kind, _, message = result.partition("|")
