@@ -166,7 +166,7 @@ def run_ranks(
             del store
     if failures:
         summary = (f"{len(failures)} of {world_size} ranks failed "
-                   f"(ranks {sorted(failures)}, {fn.__module__}.{fn.__qualname__})")
+                   f"(ranks {sorted(failures)}, {_describe_fn(fn)})")
         raise RanksFailed(summary, failures)
     return [results[r] for r in range(world_size)]
 
@@ -210,3 +210,10 @@ def _collect(procs: list[Any], conns: list[Any], stack_dir: str, timeout_s: floa
                 stack = f.read().strip() or "(no stack written)"
             failures[rank] = f"still running after the deadline; its stack:\n{stack}"
     return results, failures
+
+
+def _describe_fn(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of a rank body; a ``functools.partial`` or callable object has none."""
+    inner = getattr(fn, "func", fn)  # functools.partial keeps the function in .func
+    name = getattr(inner, "__qualname__", None)
+    return f"{getattr(inner, '__module__', '?')}.{name}" if name else repr(fn)
