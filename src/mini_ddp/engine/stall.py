@@ -182,14 +182,17 @@ class StackResponder:
     def __init__(self, store: Any, rank: int,
                  on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None):
         self.rank = rank
-        self._store = store  # the shared connection: only stop() uses it, to wake the thread
         self._stop = threading.Event()
         own = store.clone()  # raises for stores that cannot open a second connection
+        # stop() wakes the thread through a connection of its own: by then the process group,
+        # and the connection it shares, may be destroyed (see _join_responders_at_exit).
+        self._waker = store.clone()
         callback = None if on_ask is None else weakref.WeakMethod(on_ask) \
             if hasattr(on_ask, "__self__") else (lambda: on_ask)
         self.thread = threading.Thread(target=_serve, args=(own, rank, self._stop, callback),
                                        name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
         self.thread.start()
+        _THREADS.add(self.thread)
 
     def stop(self) -> None:
         """End the thread: set the stop flag, then wake its wait (idempotent, never raises)."""
@@ -197,28 +200,30 @@ class StackResponder:
             return
         self._stop.set()
         try:
-            self._store.set(f"ask/{self.rank}", json.dumps({"stop": True}))
+            self._waker.set(f"ask/{self.rank}", json.dumps({"stop": True}))
         except Exception:  # noqa: BLE001 - the store is gone: the thread's wait fails too
             pass
 
 
 _RESPONDERS: weakref.WeakSet[StackResponder] = weakref.WeakSet()
+_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 @atexit.register
-def _stop_responders_at_exit() -> None:
-    """Stop and join every live responder before the interpreter finalises.
+def _join_responders_at_exit() -> None:
+    """Stop every live responder and join every responder thread before the interpreter
+    finalises.
 
     A daemon thread still inside the store's C++ wait when Python shuts down is ended by
     forced unwinding through C++ frames on its way back to the GIL, and the process aborts
-    ("terminate called without an active exception") after the script has finished. atexit
-    runs while the stores still work, so each wait is woken and returns normally.
+    ("terminate called without an active exception") after the script has finished. A
+    responder stopped earlier (its model collected) may still be on its way out: it is
+    joined too.
     """
-    live = list(_RESPONDERS)
-    for responder in live:
+    for responder in list(_RESPONDERS):
         responder.stop()
-    for responder in live:
-        responder.thread.join(timeout=2.0)
+    for thread in list(_THREADS):
+        thread.join(timeout=2.0)
 
 
 def start_responder(store: Any, rank: int, owner: Any,
@@ -231,7 +236,7 @@ def start_responder(store: Any, rank: int, owner: Any,
     except Exception as error:  # noqa: BLE001 - e.g. a HashStore: stacks just go unasked
         logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
         return None
-    weakref.finalize(owner, responder.stop).atexit = False  # exit: _stop_responders_at_exit
+    weakref.finalize(owner, responder.stop).atexit = False  # exit: _join_responders_at_exit
     _RESPONDERS.add(responder)
     return responder
 
