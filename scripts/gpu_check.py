@@ -15,7 +15,8 @@ semantics NCCL's futures complete at launch: the bounded wait, GradSyncTimeout a
           warning must still see a collective the GPU has not run (widened with
           ``torch.cuda._sleep``); the forward's buffer broadcast must not block the host unless
           ``sync_timeout_s`` was set; CPU inputs are copied as torch DDP copies them; the
-          used-parameter map lives in pinned host memory.
+          used-parameter map lives in pinned host memory; the trace's all-reduce ends and the
+          logging data's durations come from CUDA events (the GPU's time, not the launch's).
 streams   both engines inside a side stream, GPU sleeps before forward and backward, gradients
           snapshotted before ``step()``: mini_ddp vs torch DDP bitwise (NCCL ws=1, Gloo ws=2).
 gloo      Gloo on CUDA tensors, 2 and 3 ranks sharing cuda:0: bf16 mixed_precision,
@@ -58,6 +59,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mini_ddp
 from mini_ddp import DataParallelModel, GradSyncTimeout, RanksFailed, run_ranks
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
+from mini_ddp.observe.spans import spans
+from mini_ddp.observe.tracing import trace
 from mini_ddp.transport import local_comm
 from mini_ddp.transport.wait import wait_done
 
@@ -379,6 +382,41 @@ def buffer_broadcast(ctx, gpu: bool) -> list[Row]:
     return [("PASS" if ok else "FAIL", "", f"forward host time, GPU asleep {sleep_s} s: {shown}")]
 
 
+def device_timings(ctx, gpu: bool) -> list[Row]:
+    """The GPU asleep 0.5 s before backward: the trace's all-reduces must end after it, and
+    backward_compute_time in the logging data (torch DDP's and ours) must include it."""
+    device = _place(gpu, ctx.rank, share=False)
+    ids, sleep_s, compute, rows = ([device.index] if gpu else None), 0.5, {}, []
+    for name, cls in (("torch DDP", DDP), ("mini_ddp", DataParallelModel)):
+        model = cls(_model("mlp").to(device), device_ids=ids, bucket_cap_mb=TINY_CAP)
+        x, y = (t.to(device) for t in _data("mlp", ctx.rank))
+        with contextlib.ExitStack() as stack:
+            rec = stack.enter_context(trace(model)) if cls is DataParallelModel else None
+            loss = nn.functional.cross_entropy(model(x), y)
+            _gpu_sleep(gpu, sleep_s)
+            loss.backward()
+            model(x)  # the next forward publishes the sampled iteration's times
+        _sync(gpu)
+        compute[name] = model._get_ddp_logging_data().get("backward_compute_time", 0) / 1e9
+        if rec is not None:
+            comm = [s for s in spans(rec.snapshot()) if s.track.startswith("bucket")
+                    and s.name.startswith("all-reduce")]
+            clocks = sorted({s.args["clock"] for s in comm})
+            longest = max((s.end - s.start) / 1e9 for s in comm) if comm else 0.0
+            ok = bool(comm) and clocks == (["device"] if gpu else ["host"]) and (
+                longest >= 0.6 * sleep_s if gpu else True)
+            rows.append((_status(ok), "trace all-reduce ends",
+                         f"{len(comm)} all-reduces, clock {', '.join(clocks)}, longest "
+                         f"launch-to-end {longest * 1000:.0f} ms" +
+                         (f" (GPU slept {sleep_s} s)" if gpu else " (dry run: host clock)")))
+    shown = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in compute.items())
+    ok = all(v >= 0.6 * sleep_s for v in compute.values()) if gpu else all(
+        v >= 0 for v in compute.values())
+    rows.append((_status(ok), "logging-data backward_compute_time", shown +
+                 (f" (GPU slept {sleep_s} s)" if gpu else " (dry run: host clock)")))
+    return rows
+
+
 def input_copy(ctx, gpu: bool) -> list[Row]:
     """A pinned CPU input overwritten right after forward returns (the GPU asleep 0.5 s
     meanwhile): the output must be that of the original input, as under torch DDP."""
@@ -536,6 +574,8 @@ def build_cases(gpu: bool) -> list[Case]:
              buffer_broadcast, 1, "nccl"),
         Case("semantics", "CPU input reused right after forward (blocking copy)",
              input_copy, 1, "nccl"),
+        Case("semantics", "times from CUDA events, GPU asleep 0.5 s", device_timings, 1,
+             "nccl"),
         Case("streams", "nccl ws=1 side stream + GPU sleeps", streams, 1, "nccl", (False,),
              TRIVIAL_WS1),
         Case("streams", "gloo ws=2 on one GPU, side stream + GPU sleeps", streams, 2, "gloo",

@@ -256,6 +256,7 @@ class DataParallelModel(DistributedDataParallel):
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
                                self.process_group, self.config, self.transport)
         self.reducer.runtime_log = self._runtime_log
+        self._runtime_log.use_device([p.device for _, p in named])
         self.stall_monitor = None if self.config.stall_warning_s is None else StallMonitor(
             self.reducer, self.process_group, self.config.stall_warning_s).install()
         self._delay_all_reduce_enqueued = False

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from mini_ddp.engine.device_timer import DeviceTimer, timer_for
 from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook
 
 # ==== the logging data: _get_ddp_logging_data() ===============================================
@@ -46,7 +48,10 @@ from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook
 # (forward start; backward compute start, when the reducer is armed; the first bucket's launch;
 # backward compute end, when the end-of-backward callback starts; its end, once every bucket is
 # written back), the four durations between them and their running averages — integers in
-# nanoseconds, as torch's — and ``prev_iteration_grad_ready_order_indices``.
+# nanoseconds, as torch's — and ``prev_iteration_grad_ready_order_indices``. On a GPU the
+# durations come, as from torch's CUDA timer, from CUDA events recorded beside the host
+# timestamps (:class:`~mini_ddp.engine.device_timer.DeviceTimer`): a host clock on a GPU only
+# sees launches. The five ``*_start``/``*_end`` timestamps stay host times, as torch's.
 #
 # Runtime statistics are sampled like DDP's: the first ten iterations, then one iteration in
 # ``sample_rate`` (100 unless ``_set_ddp_runtime_logging_sample_rate`` says otherwise); like
@@ -55,6 +60,8 @@ from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook
 DEFAULT_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate
 ALWAYS_SAMPLED = 10        # torch samples every one of the first ten iterations
 SAMPLE_RATE_ERROR = "DDP runtime logging sample rate should be equal or greater than 1"
+# torch's logger warns once and reports no times for a CUDA module spread over several GPUs.
+MULTI_DEVICE_TIMES = "Cuda time stats are not collected for multi-device modules."
 
 # c10's scalar type names, which torch's logger reports under "dtypes".
 _C10_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
@@ -91,8 +98,18 @@ class RuntimeLog:
     error: str | None = None
     stats: dict[str, int] = field(default_factory=dict)  # published ints (times, averages)
     ready_order: str | None = None  # the published iteration's gradient-ready order
+    timer: DeviceTimer | None = None  # CUDA: durations between device events, as torch's
+    times_collected: bool = True  # False for a multi-device CUDA module, as in torch
     _events: dict[str, int] = field(default_factory=dict, repr=False)
+    _device_events: dict[str, Any] = field(default_factory=dict, repr=False)
     _recording: bool = field(default=False, repr=False)
+
+    def use_device(self, devices: Sequence[torch.device]) -> None:
+        """Time on the parameters' ``devices`` as torch's timer registry picks: CUDA events
+        for a CUDA module, host time otherwise; none for a CUDA module on several devices."""
+        devices = list(dict.fromkeys(devices))
+        self.timer = timer_for(devices[0]) if devices else None
+        self.times_collected = not (self.timer is not None and len(devices) > 1)
 
     def set_sample_rate(self, sample_rate: int) -> None:
         """``_set_ddp_runtime_logging_sample_rate``: same check and message as DDP."""
@@ -109,13 +126,15 @@ class RuntimeLog:
         if iteration > 0 and self.sampled(iteration):
             self._publish(iteration, ready_order)
         self._recording = self.sampled(iteration + 1)
-        self._events = {}
+        self._events, self._device_events = {}, {}
         self.mark(FORWARD_START)
 
     def mark(self, event: str) -> None:
         """Timestamp ``event`` (one of :data:`EVENTS`) in a sampled iteration, the first time."""
         if self._recording and event not in self._events:
             self._events[event] = time.time_ns()  # host-side Unix time, as torch's CPU timer
+            if self.timer is not None:  # and a device event beside it, as torch's CUDA timer
+                self._device_events[event] = self.timer.stamp()
 
     def _publish(self, iteration: int, ready_order: list[int]) -> None:
         """torch's ``set_runtime_stats_and_log``: the sampled iteration's times become the
@@ -127,16 +146,28 @@ class RuntimeLog:
         events = self._events
         for name in (*DURATIONS, *EVENTS):
             self.stats[name] = 0  # torch resets them, then sets what was measured
+        if not self.times_collected:
+            warnings.warn(MULTI_DEVICE_TIMES, stacklevel=2)  # once per site, as TORCH_WARN_ONCE
+            return
         for name, (start, end) in DURATIONS.items():
             self.stats.setdefault(f"avg_{name}", 0)
-            if start in events and end in events:
-                took = events[end] - events[start]
+            took = self._measure(start, end)
+            if took is not None:
                 self.stats[name] = took
                 avg = self.stats[f"avg_{name}"]
                 self.stats[f"avg_{name}"] = (took + avg * (self.samples - 1)) // self.samples
         for name in EVENTS:
             if name in events:
                 self.stats[name] = events[name]
+
+    def _measure(self, start: str, end: str) -> int | None:
+        """torch's ``measureDifference``: device events on a GPU, host times otherwise."""
+        if self.timer is not None:
+            return self.timer.elapsed_ns(self._device_events.get(start),
+                                         self._device_events.get(end))
+        if start in self._events and end in self._events:
+            return self._events[end] - self._events[start]
+        return None
 
     def record_error(self, err: BaseException) -> None:
         self.error = str(err)

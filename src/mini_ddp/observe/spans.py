@@ -44,7 +44,8 @@ def spans(rank_trace: RankTrace) -> list[Span]:
     step, layout = 1, []
     forward_start = forward_end = first_hook = finalize_start = None
     user_open: dict[str, int] = {}
-    comm: dict[int, list[list]] = {}  # bucket -> [[launch, done, observed, bytes, step, names]]
+    # bucket -> [[launch, done, observed, bytes, step, names, clock]]
+    comm: dict[int, list[list]] = {}
     for t, kind, info in rank_trace.events:
         t += off
         bucket = info.get("bucket")
@@ -64,14 +65,19 @@ def spans(rank_trace: RankTrace) -> list[Span]:
             out.append(Span(f"bucket {bucket}", "ready", t, t, step))
         elif kind == "launch":
             members = [names[i] for i in layout[bucket]] if bucket < len(layout) else []
-            comm.setdefault(bucket, []).append([t, None, None, info.get("bytes"), step, members])
+            comm.setdefault(bucket, []).append([t, None, None, info.get("bytes"), step, members,
+                                                "host"])
         elif kind in ("comm_done", "complete"):
             # n-th launch of a bucket pairs with its n-th completion (done-callbacks may be
-            # logged a hair after the reducer observed the result: keep the earlier time).
+            # logged a hair after the reducer observed the result: keep the earlier time —
+            # unless the end is a device event: on a GPU the host "observes" a result as
+            # soon as its stream waits for it, before the device has run the collective).
             slot = 1 if kind == "comm_done" else 2
             row = next((r for r in comm.get(bucket, []) if r[slot] is None), None)
             if row is not None:
                 row[slot] = t
+                if kind == "comm_done":
+                    row[6] = info.get("clock", "host")
         elif kind == "finalize_start":
             begin = forward_end if forward_end is not None and (
                 first_hook is None or forward_end <= first_hook) else first_hook
@@ -90,10 +96,11 @@ def spans(rank_trace: RankTrace) -> list[Span]:
         elif kind == "span_end" and info["name"] in user_open:
             out.append(Span("compute", info["name"], user_open.pop(info["name"]), t, step))
     for bucket, rows in comm.items():
-        for launch, done, observed, nbytes, at_step, members in rows:
-            ends = [e for e in (done, observed) if e is not None]
+        for launch, done, observed, nbytes, at_step, members, clock in rows:
+            ends = [done] if clock == "device" else [e for e in (done, observed) if e is not None]
             if ends:
                 out.append(Span(f"bucket {bucket}", f"all-reduce bucket {bucket}", launch,
                                 min(ends), at_step, {"bytes": nbytes, "params": members,
-                                                     "observed_by_finalize": observed is not None}))
+                                                     "observed_by_finalize": observed is not None,
+                                                     "clock": clock}))
     return sorted(out, key=lambda s: (s.start, s.end))

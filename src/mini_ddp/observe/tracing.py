@@ -15,7 +15,12 @@ The reducer and the model call ``reducer.trace.record(kind, **info)`` at each po
 backward, the copy-back) — but only when ``reducer.trace is not None``: with tracing off a step
 pays one attribute test per event and nothing else. A recorder stores ``(monotonic ns, kind,
 info)`` tuples; the real end of each collective is taken from a done-callback on its future,
-because the reducer only *observes* completion later, when backward has ended.
+because the reducer only *observes* completion later, when backward has ended. On a GPU the
+callback runs as soon as the collective is queued (NCCL's futures are done at launch), so
+there it records a CUDA event on the callback's stream — which torch makes wait for the
+collective — and the event's device time, placed on the host clock through an anchor event
+(:class:`~mini_ddp.engine.device_timer.DeviceTimer`), is the collective's end. Such an end
+carries ``clock="device"``; the Chrome trace's all-reduce names its clock in ``args``.
 
 What ran is part of the record, because mini_ddp's own fast paths are not torch DDP's: a
 "setup" event (:func:`describe_setup`) names the backend, the comm hook, whether two ranks on
@@ -44,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mini_ddp.engine.device_timer import DeviceTimer, timer_for
 from mini_ddp.observe.spans import Event, RankTrace, Span, spans
 
 
@@ -51,7 +57,7 @@ class TraceRecorder:
     """Collects one rank's events; attach it with :func:`trace` (or :func:`attach`)."""
 
     def __init__(self, rank: int = 0, param_names: list[str] | None = None,
-                 reducer: Any = None):
+                 reducer: Any = None, device_timer: DeviceTimer | None = None):
         self.rank = rank
         self.param_names = list(param_names or [])
         self.events: list[Event] = []
@@ -64,6 +70,12 @@ class TraceRecorder:
         # "comm_done" could land after its "finalized".
         self._in_flight = 0
         self._landed = threading.Condition()
+        # A CUDA model's collectives end when the device says so, not when a callback runs.
+        if device_timer is None and reducer is not None and getattr(reducer, "params", None):
+            device_timer = timer_for(reducer.params[0].device)
+        self.device_timer = device_timer
+        if device_timer is not None:
+            device_timer.anchor()  # before any event, so every event lies after it
 
     def record(self, kind: str, **info: Any) -> None:
         """Log ``kind`` now. A ``future=`` entry is not stored: its completion is logged."""
@@ -82,7 +94,11 @@ class TraceRecorder:
             future.add_done_callback(functools.partial(self._comm_done, info.get("bucket")))
 
     def _comm_done(self, bucket: Any, _future: Any) -> None:
-        self._append("comm_done", {"bucket": bucket})
+        if self.device_timer is not None:  # resolved to a time by snapshot()
+            self._append("comm_done", {"bucket": bucket,
+                                       "device_event": self.device_timer.stamp()})
+        else:
+            self._append("comm_done", {"bucket": bucket})
         with self._landed:
             self._in_flight -= 1
             self._landed.notify_all()
@@ -113,9 +129,20 @@ class TraceRecorder:
         self.skew_ns = max(walls) - min(walls)
 
     def snapshot(self) -> RankTrace:
-        """A copy of the events so far, sorted by time, ready to pickle or export."""
-        events = sorted(list(self.events), key=lambda e: e[0])  # list(): an atomic copy
+        """A copy of the events so far, sorted by time, ready to pickle or export.
+
+        Device-timed ends are resolved here (waiting, if need be, until the device reached
+        them): the copy holds only times, no CUDA events."""
+        events = [self._resolved(e) for e in list(self.events)]  # list(): an atomic copy
+        events.sort(key=lambda e: e[0])
         return RankTrace(self.rank, events, self.param_names, self.offset_ns, self.skew_ns)
+
+    def _resolved(self, event: Event) -> Event:
+        t, kind, info = event
+        if "device_event" not in info:
+            return event
+        rest = {k: v for k, v in info.items() if k != "device_event"}
+        return (self.device_timer.host_ns(info["device_event"]), kind, {**rest, "clock": "device"})
 
     def _append(self, kind: str, info: dict) -> None:
         # Done-callbacks call this from the backend's threads: list.append is atomic in
