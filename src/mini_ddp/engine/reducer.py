@@ -190,7 +190,7 @@ class StepState:
 
 
 def _grad_accumulator(param: torch.Tensor) -> Any:
-    """The ``AccumulateGrad`` node autograd uses for ``param`` (kept alive by the reducer)."""
+    """The ``AccumulateGrad`` node autograd uses for ``param`` now (held by the reducer)."""
     return param.view_as(param).grad_fn.next_functions[0][0]
 
 
@@ -247,8 +247,11 @@ class Reducer(TorchReducerAPI):
         # Hooks go on the AccumulateGrad nodes, not on the tensors: such a post-hook fires even
         # when the incoming gradient is undefined (an output unused in the loss), which is how
         # DDP tells "used but got no gradient" apart from "never reached".
+        # The reducer holds the nodes, as torch's reducer holds its grad_accumulators_: a
+        # parameter refers to its AccumulateGrad node only weakly, so a node nobody else holds
+        # is freed between iterations, and a fresh one, without our hook, is made next time.
         self._accumulators = [_grad_accumulator(p) for p in self.params]
-        me = weakref.ref(self)  # the nodes outlive nothing, but avoid a cycle through C++
+        me = weakref.ref(self)  # the hooks hold the reducer weakly: no cycle through C++
         self._hook_handles = [acc.register_hook(functools.partial(_hook_trampoline, me, index))
                               for index, acc in enumerate(self._accumulators)]
 
