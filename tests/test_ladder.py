@@ -11,6 +11,7 @@ then divides; DDP multiplies by 1/3, then sums), while rungs 3 and 4 still do.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shlex
 import subprocess
@@ -25,12 +26,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp.engine import buckets as engine_buckets
+from mini_ddp.engine.unused import NOTHING_UNUSED
 from mini_ddp.ladder import (
     NaiveDataParallel,
     OverlappedDataParallel,
     UnusedAndNoSyncDataParallel,
 )
 from mini_ddp.ladder.bucketed import assign_buckets, size_limits
+from mini_ddp.tools import ladder_cli
 from mini_ddp.tools.ladder_cli import format_report, run_ladder
 from mini_ddp.training.models import ZOO
 from mini_ddp.training.spawn import RanksFailed, run_ranks
@@ -513,3 +516,32 @@ def test_the_ladder_command_is_registered_and_checks_its_arguments(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["ladder", "--model", "resnet81"])
     assert info.value.code == 2 and "unknown model 'resnet81'" in capsys.readouterr().err
+
+
+def test_the_ladder_explains_torch_ddps_nothing_unused_warning_instead_of_printing_it():
+    """Rung 4's reference (torch DDP, find_unused_parameters=True) on the zoo MLP, which uses
+    every parameter: torch's reducer writes its C++ warning to each rank's stderr; the command
+    holds it back and prints its own note."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "mini_ddp", "ladder", "--model", "mlp",
+                           "--world-size", "2", "--steps", "1", "--rungs",
+                           "unused_and_no_sync"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    start = NOTHING_UNUSED.split(". ")[0]
+    assert start not in proc.stderr and "reducer.cpp" not in proc.stderr, proc.stderr
+    assert start not in proc.stdout
+    assert ladder_cli.NOTHING_UNUSED_NOTE in proc.stdout, proc.stdout
+
+
+def test_held_back_stderr_passes_everything_else_on(capfd):
+    with ladder_cli.native_stderr() as got:
+        os.write(2, f"[rank0]:[W reducer.cpp:1] Warning: {NOTHING_UNUSED}\nkeep me\n".encode())
+    assert ladder_cli.pass_on_stderr(got) is True
+    assert capfd.readouterr().err == "keep me\n"
+    with ladder_cli.native_stderr() as got:
+        os.write(2, b"only this\n")
+    assert ladder_cli.pass_on_stderr(got) is False
+    assert capfd.readouterr().err == "only this\n"

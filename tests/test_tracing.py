@@ -17,6 +17,7 @@ from mini_ddp.observe.timeline import (
     plot_timeline,
     spans,
     spans_from_chrome_trace,
+    step_boundaries,
     track_label,
     user_spans_to_their_step,
 )
@@ -212,6 +213,51 @@ def test_a_step_in_the_timeline_ends_with_its_optimizer_step(traced):
         mine = [s for s in user_spans_to_their_step(spans(rank_trace))
                 if s.name == "optimizer_step"]
         assert [s.step for s in mine] == [1, 2, 3]
+
+
+def test_the_timeline_draws_one_step_line_where_each_step_begins(traced, tmp_path,
+                                                                 monkeypatch):
+    """A step line per drawn step, at the first forward_start (over the ranks) recorded after
+    the previous step's 'finalized' — also when drawn again from a saved Chrome trace."""
+    import matplotlib.axes
+
+    traces = [t for t, _, _ in traced]
+    # From the raw events: step N's forward_start on each rank, clock offsets applied.
+    starts = {}
+    for rank_trace in traces:
+        steps = _steps(rank_trace.events)
+        assert len(steps) == STEPS
+        for n, events in enumerate(steps, start=1):
+            (first,) = [t for t, kind, _ in events if kind == "forward_start"]
+            starts.setdefault(n, []).append(first + rank_trace.offset_ns)
+    expected = [(n, min(times)) for n, times in sorted(starts.items())]
+    per_rank = [(t.rank, spans(t)) for t in traces]
+    assert step_boundaries(per_rank) == expected
+    # The Chrome trace starts its clock at the first event and keeps microseconds.
+    again = step_boundaries(spans_from_chrome_trace(chrome_trace(traces)))
+    assert [n for n, _ in again] == [n for n, _ in expected]
+    assert [ns - again[0][1] for _, ns in again] == [
+        pytest.approx(ns - expected[0][1], abs=2) for _, ns in expected]
+    for rank_trace in traces:  # each boundary lies inside its own rank's step
+        for n, events in enumerate(_steps(rank_trace.events), start=1):
+            finalized = events[-1][0] + rank_trace.offset_ns
+            assert expected[n - 1][1] < finalized
+            if n > 1:
+                before = _steps(rank_trace.events)[n - 2][-1][0] + rank_trace.offset_ns
+                own = starts[n][traces.index(rank_trace)]
+                assert before < own
+    # What is drawn: exactly these lines for the last two steps, at these distances apart.
+    drawn, labels = [], []
+    real_axvline, real_text = matplotlib.axes.Axes.axvline, matplotlib.axes.Axes.text
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
+                        lambda ax, x, *a, **k: drawn.append(x) or real_axvline(ax, x, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "text",
+                        lambda ax, x, y, s, *a, **k: labels.append(s) or real_text(ax, x, y, s,
+                                                                                  *a, **k))
+    plot_timeline(traces, str(tmp_path / "timeline.png"), last_steps=2)
+    assert [s.strip() for s in labels] == ["step 2", "step 3"]
+    assert len(drawn) == 2 and drawn[0] >= 0
+    assert drawn[1] - drawn[0] == pytest.approx((expected[2][1] - expected[1][1]) / 1e6)
 
 
 # ---- no processes ----------------------------------------------------------------------------

@@ -1,15 +1,16 @@
-"""Run docs/integrations.md's three code blocks as written, for tests/test_integrations_docs.py.
+"""Run docs/integrations.md's four code blocks as written, for tests/test_integrations_docs.py.
 
 ``torchrun --standalone --nproc-per-node 2 docs_integrations_run.py OUT_DIR``: each block is
 read from the page and executed with the names it leaves to the reader (``model``,
-``optimizer``, ``loader``, ``args``, ``dataset``) supplied; Lightning finds torchrun's two
-ranks itself. After each block a few steps train, and each rank records which class wrapped
+``optimizer``, ``loader``, ``loss_fn``, ``args``, ``dataset``) supplied; Lightning and Fabric
+find torchrun's two ranks themselves. After each block a few steps train, and each rank records which class wrapped
 the model, whether the parameters changed and whether both ranks hold the same ones.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import warnings
@@ -48,18 +49,39 @@ def _report(wrapped_by: str, params: list[torch.Tensor], start: list[torch.Tenso
 def _lightning() -> dict[str, Any]:
     model = TinyRegressor()
     start = [p.detach().clone() for p in model.parameters()]
-    _run("MiniDDPStrategy()", model=model)
+    _run("trainer.fit(model)", model=model)
     # TinyRegressor notes the wrapping class inside training_step.
     return _report(model.wrapped_by, list(model.parameters()), start)
 
 
-def _accelerate() -> dict[str, Any]:
+def _net_and_loader() -> tuple[nn.Module, DataLoader]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    start = [p.detach().clone() for p in net.parameters()]
     g = torch.Generator().manual_seed(1)
-    loader = DataLoader(TensorDataset(torch.randn(16, 8, generator=g),
-                                      torch.randn(16, 1, generator=g)), batch_size=4)
+    return net, DataLoader(TensorDataset(torch.randn(16, 8, generator=g),
+                                         torch.randn(16, 1, generator=g)), batch_size=4)
+
+
+def _fabric() -> dict[str, Any]:
+    net, loader = _net_and_loader()
+    start = [p.detach().clone() for p in net.parameters()]
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = os.getcwd()
+        os.chdir(tmp)  # the block saves checkpoint.ckpt (rank 0) into the working directory
+        try:
+            env = _run("fabric.setup(model", model=net, loader=loader,
+                       optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                       loss_fn=nn.functional.mse_loss)
+            saved = dist.get_rank() != 0 or Path("checkpoint.ckpt").exists()
+        finally:
+            os.chdir(cwd)
+    return {**_report(type(env["model"]._forward_module).__name__, list(net.parameters()),
+                      start), "saved": saved}
+
+
+def _accelerate() -> dict[str, Any]:
+    net, loader = _net_and_loader()
+    start = [p.detach().clone() for p in net.parameters()]
     env = _run("accelerator.prepare(model", model=net,
                optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loader=loader)
     model, optimizer, accelerator = env["model"], env["optimizer"], env["accelerator"]
@@ -87,7 +109,7 @@ def _transformers() -> dict[str, Any]:
 def main() -> None:
     warnings.simplefilter("ignore")
     out_dir = Path(sys.argv[1])
-    out = {"accelerate": _accelerate(), "transformers": _transformers(),
+    out = {"accelerate": _accelerate(), "transformers": _transformers(), "fabric": _fabric(),
            "lightning": _lightning()}
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(out, indent=1))
 

@@ -1,7 +1,9 @@
 """Run a helper script on two ranks under torchrun and read back the JSON each rank wrote.
 
 The framework tests (Accelerate, the Transformers Trainer, the documented integration lines)
-start their ranks the way those frameworks are launched in practice; each helper script writes
+start their ranks the way those frameworks are launched in practice: under torchrun, or (for a
+framework with a launcher of its own, such as Lightning Fabric's ``devices=2``) as one plain
+``python`` process that starts the second rank itself. Each helper script writes
 ``rank<R>.json`` into the directory it is given.
 """
 
@@ -18,13 +20,18 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # tiny models from configs only
 
 
-def run_two_ranks(helper: str, out_dir: Path, timeout_s: float = 180) -> list[dict[str, Any]]:
-    """``torchrun --standalone --nproc-per-node 2 tests/helpers/<helper> out_dir``; each rank's
-    JSON, or an assertion error carrying the run's output."""
+def run_two_ranks(helper: str, out_dir: Path, timeout_s: float = 180,
+                  self_launching: bool = False) -> list[dict[str, Any]]:
+    """``torchrun --standalone --nproc-per-node 2 tests/helpers/<helper> out_dir`` (with
+    ``self_launching``: ``python tests/helpers/<helper> out_dir``, the framework starting rank
+    1); each rank's JSON, or an assertion error carrying the run's output."""
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", **OFFLINE}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(Path(__file__).parent / helper),
+    launcher = [] if self_launching else ["-m", "torch.distributed.run", "--standalone",
+                                          "--nproc-per-node", "2"]
+    if self_launching:
+        env.pop("MASTER_PORT", None)  # the framework's launcher picks a free one
+    proc = subprocess.run([sys.executable, *launcher, str(Path(__file__).parent / helper),
                            str(out_dir)],
                           env=env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -6,6 +6,9 @@ key handling). What is left is getting the framework to *build* it instead of to
 
 * PyTorch Lightning: ``Trainer(strategy=mini_ddp.integrations.lightning.MiniDDPStrategy())``
   (:mod:`.lightning`; needs ``lightning``).
+* Lightning Fabric: ``Fabric(strategy=mini_ddp.integrations.fabric.MiniDDPStrategy())``
+  (:mod:`.fabric`; needs ``lightning``). ``use_mini_ddp()`` does not reach Fabric's own
+  ``strategy="ddp"``, which holds torch's class from import time.
 * Hugging Face Accelerate and the Transformers ``Trainer``: build the ``Accelerator`` /
   ``Trainer`` and call ``prepare`` / ``train`` inside ``with use_mini_ddp():``
   (:mod:`.rebind`), which points ``torch.nn.parallel.DistributedDataParallel`` at

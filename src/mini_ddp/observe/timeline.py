@@ -168,6 +168,17 @@ def track_label(rank: int, track: str, rank_spans: list[Span]) -> str:
     return f"rank {rank} comm {track}" + (f" ({format_bytes(sizes[-1])})" if sizes else "")
 
 
+def step_boundaries(per_rank: list[tuple[int, list[Span]]]) -> list[tuple[int, int]]:
+    """``(step, ns)`` per step among the spans, in step order: where the step's first forward
+    (over all ranks) begins. The timeline draws its dotted step lines here."""
+    starts: dict[int, int] = {}
+    for _, rank_spans in per_rank:
+        for s in rank_spans:
+            if _engine_part(s) == "forward":
+                starts[s.step] = min(s.start, starts.get(s.step, s.start))
+    return sorted(starts.items())
+
+
 def plot_spans(per_rank: list[tuple[int, list[Span]]], path: str, last_steps: int = 2,
                title: str = "", setup: dict | None = None) -> tuple[str, list[str]]:
     """:func:`plot_timeline` from each rank's spans (e.g. :func:`spans_from_chrome_trace`;
@@ -218,15 +229,11 @@ def plot_spans(per_rank: list[tuple[int, list[Span]]], path: str, last_steps: in
                     used["comm"].add(track)
                     ax.broken_barh([(x0, width)], (y - 0.35, 0.7), color=_COMM_COLOUR,
                                    alpha=0.85)
-    # Step boundaries: where each drawn step's first forward (over all ranks) begins.
-    for step in sorted(shown):
-        starts = [s.start for _, ss in chosen for s in ss
-                  if s.step == step and _engine_part(s) == "forward"]
-        if starts:
-            x = (min(starts) - t0) / 1e6
-            ax.axvline(x, color="0.4", linestyle=":", linewidth=1)
-            ax.text(x, 0.99, f" step {step}", fontsize=8, color="0.3", va="top",
-                    transform=ax.get_xaxis_transform())
+    for step, start in step_boundaries(chosen):
+        x = (start - t0) / 1e6
+        ax.axvline(x, color="0.4", linestyle=":", linewidth=1)
+        ax.text(x, 0.99, f" step {step}", fontsize=8, color="0.3", va="top",
+                transform=ax.get_xaxis_transform())
     ax.set_yticks([-i for i in range(len(rows))], rows)
     ax.set_xlabel("time (ms), clocks aligned across ranks")
     steps = f"step {min(shown)}" if len(shown) == 1 else f"steps {min(shown)}-{max(shown)}"

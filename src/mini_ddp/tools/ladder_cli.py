@@ -20,14 +20,21 @@ where the ``1/world_size`` is applied and where an element sits in the flat buff
 sums each chunk of a buffer in a different order) both change bits. Models are a zoo name or
 ``module:attr``, fed as for ``parity`` (``--input-shape``, ``--input-dtype``, ``--vocab``,
 ``--loss``, ``--num-classes``).
+
+Rung 4's reference is torch DDP with ``find_unused_parameters=True`` on purpose, also for a
+model that uses every parameter; torch's reducer then writes a C++ warning to each rank's
+stderr. The ladder keeps that line off the terminal and says in the report what it means.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -35,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mini_ddp.engine.unused import NOTHING_UNUSED
 from mini_ddp.ladder import (
     BucketedDataParallel,
     NaiveDataParallel,
@@ -97,6 +105,48 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
 
 
+@contextmanager
+def native_stderr() -> Iterator[list[str]]:
+    """Capture what is written to file descriptor 2 inside the block: torch's C++ warnings
+    go there directly, past ``warnings`` and ``sys.stderr``. The list gets the text at exit."""
+    sys.stderr.flush()
+    got: list[str] = []
+    with tempfile.TemporaryFile() as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield got
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            got.append(sink.read().decode(errors="replace"))
+
+
+# The first sentence of the warning torch's reducer writes (from C++) when
+# find_unused_parameters=True finds every parameter used.
+_NOTHING_UNUSED_START = NOTHING_UNUSED.split(". ")[0]
+
+
+def pass_on_stderr(captured: list[str]) -> bool:
+    """Write the captured text back to stderr, less torch's nothing-unused warning; whether
+    that warning was among it."""
+    lines = "".join(captured).splitlines(keepends=True)
+    rest = [line for line in lines if _NOTHING_UNUSED_START not in line]
+    if rest:
+        os.write(2, "".join(rest).encode())
+    return len(rest) < len(lines)
+
+
+NOTHING_UNUSED_NOTE = (
+    "note: rung 4's reference, torch DDP(find_unused_parameters=True), found every parameter "
+    "used in its\n      first step, so on this model the flag only costs DDP a walk of the "
+    "autograd graph per step.\n      The ladder sets it on purpose, to hold rung 4 against "
+    "DDP's unused-parameter path;\n      the warning torch prints about it from C++ on each "
+    "rank is held back.")
+
+
 def _one_rung(ctx: RankContext, opts: dict, rung: str) -> dict:
     """Train ``rung`` beside torch DDP; per step, the differing gradient elements."""
     make, find_unused, _ = RUNGS[rung]
@@ -111,18 +161,25 @@ def _one_rung(ctx: RankContext, opts: dict, rung: str) -> dict:
         return {"steps": [], "error": _one_line(e)}
     opts_ = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, ours)]
     steps: list[dict] = []
+    nothing_unused = False
     for step in range(opts["steps"]):
         g = torch.Generator().manual_seed(ctx.rank * 100 + step)
         x, y = spec.make_batch(opts["batch_size"], g)
         for who, (model, opt) in enumerate(zip((ref, ours), opts_, strict=True)):
+            # torch DDP's find_unused_parameters search warns (once, from C++) in its
+            # forward/backward when it finds nothing; held back and reported by us instead.
+            captured = native_stderr() if find_unused and who == 0 else nullcontext([])
             try:
-                opt.zero_grad()
-                compute_loss(spec.loss, _main_output(model(x)), y).backward()
-                if hasattr(model, "sync_grads"):
-                    model.sync_grads()
+                with captured as text:
+                    opt.zero_grad()
+                    compute_loss(spec.loss, _main_output(model(x)), y).backward()
+                    if hasattr(model, "sync_grads"):
+                        model.sync_grads()
             except Exception as e:  # noqa: BLE001
+                pass_on_stderr(text)
                 return {"steps": steps, "error": ("torch DDP: " if who == 0 else "")
-                        + _one_line(e)}
+                        + _one_line(e), "nothing_unused": nothing_unused}
+            nothing_unused |= pass_on_stderr(text)
         pairs = list(zip(ref.module.parameters(), ours.module.parameters(), strict=True))
         differing = sum(a.numel() if (a.grad is None) != (b.grad is None) else
                         0 if a.grad is None else int((a.grad != b.grad).sum()) for a, b in pairs)
@@ -130,7 +187,7 @@ def _one_rung(ctx: RankContext, opts: dict, rung: str) -> dict:
             opt.step()
         steps.append({"differing": differing, "elements": sum(a.numel() for a, _ in pairs),
                       "params_equal": all(torch.equal(a, b) for a, b in pairs)})
-    return {"steps": steps, "error": ""}
+    return {"steps": steps, "error": "", "nothing_unused": nothing_unused}
 
 
 def _rank_main(ctx: RankContext, opts: dict) -> dict[str, dict]:
@@ -142,7 +199,9 @@ def run_ladder(model: str = "mlp", world_size: int = 3, steps: int = 2,
                rungs: list[str] | None = None, spec: dict | None = None,
                timeout_s: float = 600.0) -> dict[str, dict]:
     """Rank 0's report per rung: ``{"steps": [{"differing", "elements", "params_equal"}],
-    "error": ""}`` (every rank holds the same averaged gradients)."""
+    "error": "", "nothing_unused": bool}`` (every rank holds the same averaged gradients;
+    ``nothing_unused``: the torch DDP reference warned that find_unused_parameters found
+    nothing unused)."""
     opts = {"model": model, "steps": steps, "bucket_cap_mb": bucket_cap_mb,
             "batch_size": batch_size, "rungs": list(rungs or RUNGS), "spec": spec or {}}
     return run_ranks(_rank_main, world_size, args=(opts,), timeout_s=timeout_s)[0]
@@ -186,6 +245,8 @@ def format_report(reports: dict[str, dict], title: str) -> str:
     if n > 1:
         lines.append("(from step 2 on, a rung that differed before also trains different "
                      "parameters: its counts include that drift)")
+    if any(rep.get("nothing_unused") for rep in reports.values()):
+        lines.append(NOTHING_UNUSED_NOTE)
     reasons = why(reports)
     if reasons:
         lines += ["why rung 1 differs:", *("  " + line for line in reasons)]
