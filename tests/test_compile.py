@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from ddp_optimizer_spy import spy_on_ddp_optimizer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -118,22 +119,6 @@ MODELS = {  # builder, batch, loss
 }
 
 
-def _spy_on_ddp_optimizer() -> list[tuple[int, int]]:
-    """Record (bucket_bytes_cap, number of subgraphs) of every graph DDPOptimizer splits."""
-    from torch._dynamo.backends.distributed import DDPOptimizer
-
-    calls: list[tuple[int, int]] = []
-    original = DDPOptimizer.compile_fn
-
-    def compile_fn(self, gm, example_inputs, **kwargs):
-        compiled = original(self, gm, example_inputs, **kwargs)
-        calls.append((self.bucket_bytes_cap, len(self.buckets)))
-        return compiled
-
-    DDPOptimizer.compile_fn = compile_fn
-    return calls
-
-
 def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: str,
            steps: int, rank: int, calls: list, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Compile and train one engine on a copy of ``base``; what it did, step by step."""
@@ -174,7 +159,7 @@ def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: 
 def _compare(ctx, cases: list[tuple], steps: int) -> list[dict[str, Any]]:
     """Per (model, backend, order[, DDP keywords]): torch DDP's run and ours, compared on this
     rank."""
-    calls = _spy_on_ddp_optimizer()
+    calls = spy_on_ddp_optimizer()
     out = []
     for model_name, backend, order, *keywords in cases:
         kwargs = keywords[0] if keywords else {}

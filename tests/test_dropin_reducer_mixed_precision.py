@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import cpu_streams
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,31 +21,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
 from mini_ddp import DataParallelModel, run_ranks
-
-
-class _NullStream:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def wait_stream(self, other):
-        pass
-
-
-class _NullEvent:
-    def record(self, stream=None):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-
-def _cpu_streams():
-    torch.Stream = lambda *a, **k: _NullStream()
-    torch.Event = lambda *a, **k: _NullEvent()
-    torch.accelerator.current_stream = lambda *a, **k: _NullStream()
 
 
 class Net(nn.Module):
@@ -72,7 +48,7 @@ def _loss(out, y):
 
 
 def _run(ctx, dtypes, kw):
-    _cpu_streams()
+    cpu_streams.install()
     mp = _MixedPrecision(*dtypes)
     # warmup: torch's first iteration reduces an uninitialised buffer (it moves its buckets to
     # param_dtype after making the gradient views, which keep pointing at the old buffer until
@@ -111,7 +87,7 @@ def _no_sync_then_sync(ctx):
     """torch 2.14 cannot accumulate under no_sync() with mixed precision: no comm hook runs in
     the local backward, so the per-forward gradient hooks are never removed and the next
     forward adds a second set — the synced backward then marks each parameter twice."""
-    _cpu_streams()
+    cpu_streams.install()
     out = []
     for cls in (DDP, DataParallelModel):
         torch.manual_seed(0)
@@ -136,7 +112,7 @@ def test_mixed_precision_no_sync_fails_as_in_torch():
 
 def _bucket_view_grads_per_step(ctx):
     """The gradient each engine hands out at steps 1 and 2 (after the warm-up)."""
-    _cpu_streams()
+    cpu_streams.install()
     out = []
     for cls in (DDP, DataParallelModel):
         torch.manual_seed(ctx.rank)
@@ -165,9 +141,10 @@ def test_mixed_precision_with_bucket_view_warns_that_gradients_go_stale(one_rank
     """The combination is accepted (as torch DDP does) but never silently."""
     import torch.distributed._functional_collectives  # noqa: F401 - torch's setup needs it
 
-    monkeypatch.setattr(torch, "Stream", lambda *a, **k: _NullStream())
-    monkeypatch.setattr(torch, "Event", lambda *a, **k: _NullEvent())
-    monkeypatch.setattr(torch.accelerator, "current_stream", lambda *a, **k: _NullStream())
+    monkeypatch.setattr(torch, "Stream", cpu_streams.NullStream)
+    monkeypatch.setattr(torch, "Event", cpu_streams.NullEvent)
+    monkeypatch.setattr(torch.accelerator, "current_stream",
+                        lambda *a, **k: cpu_streams.NullCurrentStream())
     with pytest.warns(UserWarning, match="stale gradients.*gradient_as_bucket_view=False"):
         DataParallelModel(Net(), gradient_as_bucket_view=True,
                           mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
