@@ -4,7 +4,7 @@ Runs as is on CPUs (Gloo), with data that ships inside scikit-learn; on a CUDA m
 takes one GPU per rank and NCCL, as torch's own recipe does (that branch is not yet verified
 on GPUs; see docs/gpus.md):
 
-    python examples/train_minimal.py                                   # spawns 2 ranks itself
+    python examples/train_minimal.py              # spawns its ranks itself: 2 on CPU, one per GPU
     torchrun --standalone --nproc-per-node=4 examples/train_minimal.py # or let torchrun start them
 
 Everything is inline: joining the process group, sharding the data with a DistributedSampler,

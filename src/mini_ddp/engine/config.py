@@ -85,11 +85,12 @@ class DataParallelConfig:
     bucket into a separate ``.grad`` (DDP's way, the default). One gradient-sized copy less at
     the end of every backward, and no separate ``.grad`` tensors. Before the next backward
     overwrites a bucket, the reducer checks from reference counts that nothing but ``.grad``
-    looks into it (a gradient saved without ``clone()``, a view of one, a weak reference); if
-    something does, that bucket moves to a fresh buffer. Consumers that keep a raw pointer are
-    invisible to that check — a DLPack/NumPy export (``np.from_dlpack``, ``.numpy()``), a kept
-    ``untyped_storage()``, ``data_ptr()`` — and can see a later step's values where DDP's
-    separate ``.grad`` would not (docs/limitations.md lists them). Applies to the plain path
+    looks into it (a gradient saved without ``clone()``, a view of one, a DLPack/NumPy export
+    such as ``np.from_dlpack`` or ``.numpy()``, a kept ``untyped_storage()``, a weak
+    reference); if something does, that bucket moves to a fresh buffer. A consumer that keeps
+    only a raw pointer (``data_ptr()`` through ``ctypes`` or a C extension) or reaches memory
+    through ``.data`` is invisible to that check and can see a later step's values where DDP's
+    separate ``.grad`` would not (docs/limitations.md). Applies to the plain path
     only (not with ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` or
     mixed precision, which keep DDP's rules). ``False``: copy, exactly as DDP."""
 

@@ -16,8 +16,8 @@
 Whether anybody else holds a tensor is read from reference counts — Python's, the C++
 tensor's and weak ones (:func:`held_elsewhere`, :func:`is_private`) — against a baseline
 measured once, on first use, through the same calls (:func:`_baseline`). That is why the
-zero-copy write-back is opt-in: a consumer that keeps only a raw pointer or a storage object
-is invisible to any count (docs/limitations.md lists what breaks it).
+zero-copy write-back is opt-in: a consumer that keeps only a raw pointer is invisible to any
+count (docs/limitations.md lists what breaks it).
 """
 
 from __future__ import annotations
