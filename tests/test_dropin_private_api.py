@@ -74,7 +74,8 @@ COMPARED = ["module_name", "world_size", "rank", "backend_name", "bucket_sizes",
 def _logging(ddp: DDP, ours: DataParallelModel) -> dict[str, Any]:
     theirs, mine = ddp._get_ddp_logging_data(), ours._get_ddp_logging_data()
     return {"missing": sorted(set(mine) - set(theirs)),
-            "types": sorted(k for k in mine if type(mine[k]) is not type(theirs[k])),
+            "types": sorted(k for k in mine if k in theirs
+                            and type(mine[k]) is not type(theirs[k])),
             "values": {k: (theirs.get(k), mine.get(k)) for k in COMPARED
                        if theirs.get(k) != mine.get(k)},
             "timed": ours._get_ddp_logging_data().get("avg_forward_compute_time", 0) > 0}
@@ -100,6 +101,11 @@ def _scenarios(ctx) -> dict[str, Any]:
                                               find_unused_parameters=find_unused)
         out[f"static later, find_unused={find_unused}"] = same
         out[f"logging static, find_unused={find_unused}"] = _logging(ddp, ours)
+    for steps in (1, 2, 3):  # torch's logger copies the rebuilt layout before forward 3's
+        for find_unused in (False, True):
+            _, ddp, ours = _train_side_by_side(ctx.rank, steps=steps,
+                                               find_unused_parameters=find_unused)
+            out[f"logging after {steps} steps, find_unused={find_unused}"] = _logging(ddp, ours)
     same, ddp, ours = _train_side_by_side(ctx.rank, bucket_cap_mb_list=[0.002, 0.004])
     out["bucket_cap_mb_list"] = same
     out["logging bucket_cap_mb_list"] = _logging(ddp, ours)
@@ -154,6 +160,17 @@ def test_logging_data_has_torch_keys_types_and_values(results, case):
         assert r[case]["missing"] == [] and r[case]["types"] == [], r[case]
         assert r[case]["values"] == {}, r[case]["values"]
         assert r[case]["timed"]
+
+
+@pytest.mark.timeout(260)
+@pytest.mark.parametrize("steps", [1, 2, 3])
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_logging_data_after_each_of_the_first_steps_is_torchs(results, steps, find_unused):
+    """The rebuild happens in forward 2; torch's logger publishes iteration 1 at that
+    forward's start, before the rebuild, so "has_rebuilt_buckets" is 0 until forward 3."""
+    for r in results:
+        case = r[f"logging after {steps} steps, find_unused={find_unused}"]
+        assert case["missing"] == [] and case["values"] == {}, case
 
 
 @pytest.mark.timeout(260)

@@ -71,6 +71,7 @@ from mini_ddp.engine.torch_api import (
     RuntimeLog,
     install_refusals,
     logging_data,
+    rebuilt_layout,
 )
 from mini_ddp.errors import MiniDDPError, naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
@@ -312,8 +313,10 @@ class DataParallelModel(DistributedDataParallel):
             trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
-            self._runtime_log.forward_started(self.reducer.step.num_iterations,
-                                              self.reducer.step.ready_order)
+            reducer = self.reducer
+            self._runtime_log.forward_started(reducer.step.num_iterations,
+                                              reducer.step.ready_order,
+                                              lambda: rebuilt_layout(reducer))
             self.reducer.prepare_for_forward()
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
         if grad_enabled:

@@ -98,6 +98,9 @@ class RuntimeLog:
     error: str | None = None
     stats: dict[str, int] = field(default_factory=dict)  # published ints (times, averages)
     ready_order: str | None = None  # the published iteration's gradient-ready order
+    # The rebuilt layout as last published ({} before the rebuild was seen): torch's logger
+    # copies it at a sampled forward's start, before that forward rebuilds the buckets.
+    rebuilt: dict[str, str] = field(default_factory=dict)
     timer: DeviceTimer | None = None  # CUDA: durations between device events, as torch's
     times_collected: bool = True  # False for a multi-device CUDA module, as in torch
     _events: dict[str, int] = field(default_factory=dict, repr=False)
@@ -120,10 +123,15 @@ class RuntimeLog:
     def sampled(self, iteration: int) -> bool:
         return iteration <= ALWAYS_SAMPLED or iteration % self.sample_rate == 0
 
-    def forward_started(self, iteration: int, ready_order: list[int]) -> None:
-        """Called as a synced forward starts; ``iteration`` counts the forwards before it,
-        ``ready_order`` is the order in which the last backward's gradients arrived."""
+    def forward_started(self, iteration: int, ready_order: list[int],
+                        rebuilt: Callable[[], dict[str, str]] = dict) -> None:
+        """Called as a synced forward starts, before it rebuilds the buckets; ``iteration``
+        counts the forwards before it, ``ready_order`` is the order in which the last
+        backward's gradients arrived, ``rebuilt`` describes the rebuilt layout ({}: none yet;
+        called only when this forward publishes)."""
         if iteration > 0 and self.sampled(iteration):
+            if not self.rebuilt:  # torch sets it once, when it first sees the rebuild
+                self.rebuilt = rebuilt()
             self._publish(iteration, ready_order)
         self._recording = self.sampled(iteration + 1)
         self._events, self._device_events = {}, {}
@@ -201,11 +209,7 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     strs.update({key: os.environ.get(var, "N/A") for key, var in _ENV_KEYS.items()})
     if comm_hook is not None:
         strs["comm_hook"] = comm_hook
-    if reducer.layout.has_rebuilt:
-        strs["rebuilt_bucket_sizes"] = ", ".join(str(_nbytes(params, b.param_indices))
-                                                 for b in reducer.layout.buckets)
-        strs["rebuilt_per_bucket_param_indices"] = ", ".join(
-            " ".join(map(str, b.param_indices)) for b in reducer.layout.buckets)
+    strs.update(log.rebuilt)
     if log.error is not None:
         strs["error"] = log.error
     ints: dict[str, int] = {
@@ -232,13 +236,24 @@ def logging_data(model: Any, log: RuntimeLog, comm_hook: str | None) -> dict[str
     if log.error is not None:
         ints["has_error"] = 1
     if log.iteration > 0:
-        ints["has_rebuilt_buckets"] = int(reducer.layout.has_rebuilt)
+        ints["has_rebuilt_buckets"] = int(bool(log.rebuilt))
         ints["num_buckets_reduced"] = len(reducer.layout.buckets)
         ints["unused_parameter_size"] = _nbytes(params, _unused(reducer))
         ints.update(log.stats)
         if log.ready_order is not None:
             strs["prev_iteration_grad_ready_order_indices"] = log.ready_order
     return {**strs, **ints}
+
+
+def rebuilt_layout(reducer: Any) -> dict[str, str]:
+    """The logging data's description of ``reducer``'s rebuilt buckets ({} if not rebuilt)."""
+    if not reducer.layout.has_rebuilt:
+        return {}
+    params, buckets = reducer.params, reducer.layout.buckets
+    return {"rebuilt_bucket_sizes": ", ".join(str(_nbytes(params, b.param_indices))
+                                              for b in buckets),
+            "rebuilt_per_bucket_param_indices": ", ".join(" ".join(map(str, b.param_indices))
+                                                          for b in buckets)}
 
 
 def _unused(reducer: Any) -> list[int]:
