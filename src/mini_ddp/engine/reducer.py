@@ -93,6 +93,27 @@ class UnarmedBackwardError(MiniDDPError):
             "returns, or run the forward inside model.no_sync() to accumulate locally.")
 
 
+UNDEFINED_BUT_USED = ("Encountered gradient which is undefined, but still allreduced by DDP "
+                      "reducer. This indicates a bug in DDP implementation, please report a bug "
+                      "with a repro to PyTorch.")
+
+
+class UndefinedButUsedError(MiniDDPError):
+    """A parameter without a gradient is marked ready while the used map counts it as used."""
+
+    def __init__(self, rank: int, name: str, index: int):
+        self.rank, self.name, self.index = rank, name, index
+        # torch's reducer checks the same in mark_variable_ready_dense (a RuntimeError with
+        # this sentence): summing zeros for it would overwrite its .grad on every rank.
+        super().__init__(
+            f"{UNDEFINED_BUT_USED} (mini_ddp: parameter '{name}' (index {index}) has no "
+            f"gradient in this synchronised backward on rank {rank}, but the used map still "
+            "counts it as used: a backward that synchronised nothing since the last "
+            "synchronised one (inside no_sync(), or after a forward that raised) used it, and "
+            "its .grad was set to None before this step. Run a synchronised backward before "
+            "zeroing gradients with set_to_none=True, or zero them with set_to_none=False.)")
+
+
 @dataclass
 class StepState:
     """The per-step state of a reducer over ``num_params`` parameters."""
@@ -412,6 +433,9 @@ class Reducer(TorchReducerAPI):
         param, view = bucket.params[position], bucket.views[position]
         grad = param.grad
         if grad is None:
+            index = bucket.param_indices[position]
+            if self.step.tracks_used and self.unused_search.locally_used(index):
+                raise UndefinedButUsedError(self.rank, self.names[index], index)
             view.zero_()  # marked ready without a gradient: contribute zeros
             return
         batched, as_bucket_view = self.config.batched_grad_copy, self.config.gradient_as_bucket_view

@@ -87,6 +87,10 @@ class UnusedSearch:
         """Parameter ``index`` received a gradient in this backward."""
         self.local_used[index] = 1
 
+    def locally_used(self, index: int) -> bool:
+        """Has this rank's map marked parameter ``index`` used since the last synced backward?"""
+        return bool(self.local_used[index] != 0)
+
     def launch_map_reduce(self, describe: Callable[[], str]) -> None:
         """Start summing the local used map over ranks (after the last bucket's launch)."""
         if self.device.type == "cpu":
