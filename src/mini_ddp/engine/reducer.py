@@ -76,6 +76,9 @@ from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmError
 from mini_ddp.transport.wait import wait_done
 
 OnStall = Callable[[Any, "bucketing.Bucket | None", "BaseException | None"], None]
+OnTimeout = Callable[[Any, "bucketing.Bucket | None"], "tuple[str, dict[str, Any]]"]
+NOT_ASKED = ("  The late ranks were not asked where they are: no stall monitor runs "
+             "(stall_warning_s=None), so no rank has a stack responder.")
 
 
 class UnarmedBackwardError(MiniDDPError):
@@ -252,6 +255,10 @@ class Reducer(TorchReducerAPI):
         # warning there (mini_ddp.engine.stall); mini_ddp.observe.watchdog replaces it.
         self.on_stall: OnStall | None = None
         self.stall_after_s: float | None = None
+        # The timeout seam: on_timeout(reducer, bucket) -> (lines for the GradSyncTimeout
+        # message, extra fields of the flight recorder dump), called once a wait passes
+        # sync_timeout_s. The stall monitor installs it: it asks the late ranks where they are.
+        self.on_timeout: OnTimeout | None = None
         # Two ranks on one host: big float buckets live in shared memory and are summed there.
         self.transport = transport
         self.use_transport = transport is not None  # off while Join runs (model.forward)
@@ -559,10 +566,12 @@ class Reducer(TorchReducerAPI):
         slow = None if on_stall is None else lambda: on_stall(self, bucket, None)
         if not wait_done(future, self.config.sync_timeout_s, stall_after_s=self.stall_after_s,
                          on_slow=slow):
+            late, dumped = (NOT_ASKED, {}) if self.on_timeout is None \
+                else self.on_timeout(self, bucket)
             error = GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket, self.names,
-                                    len(self.layout.buckets))
+                                    len(self.layout.buckets), late=late)
             if self.flight is not None:  # what led here, for `python -m mini_ddp doctor`
-                self.flight.dump(f"GradSyncTimeout: {error}")
+                self.flight.dump(f"GradSyncTimeout: {error}", **dumped)
             raise error
         if on_stall is not None:
             try:

@@ -103,6 +103,9 @@ logger = logging.getLogger("mini_ddp")
 
 ANSWER_S = 5.0
 """How long an asker waits for a rank's stack before naming it as one that did not answer."""
+TIMEOUT_ANSWER_S = 1.0
+"""The same, for the ask of a ``GradSyncTimeout``: the deadline has already passed, and a rank
+whose responder runs answers within a poll or two."""
 MAX_FRAMES = 14
 """Innermost frames kept per thread (the outer ones are the launcher's and the harness's)."""
 _POLL_S = 0.05
@@ -599,9 +602,10 @@ class StallMonitor:
         group = getattr(process_group, "group_name", "default")
         self._prefix = f"mini_ddp/stall/{group}/{next(_SESSIONS)}"
         self._store = store
-        self._replaced: tuple[Any, float | None] | None = None
+        self._replaced: tuple[Any, float | None, Any] | None = None
         self._responder: StackResponder | None = None
         self.answer_s = ANSWER_S  # how long a report waits for a late rank's stack
+        self.timeout_answer_s = TIMEOUT_ANSWER_S  # the same, when sync_timeout_s has passed
 
     @property
     def reducer(self) -> Any:
@@ -621,8 +625,9 @@ class StallMonitor:
         """Start watching (idempotent); returns self."""
         r = self.reducer
         if r.on_stall != self.on_stall:
-            self._replaced = (r.on_stall, r.stall_after_s)
+            self._replaced = (r.on_stall, r.stall_after_s, getattr(r, "on_timeout", None))
             r.on_stall, r.stall_after_s = self.on_stall, self.limit_s
+            r.on_timeout = self.on_timeout
             self._start_flight_log_and_responder()
         return self
 
@@ -654,7 +659,7 @@ class StallMonitor:
         """Stop watching; whatever watched before (the default warning, or nothing) is back."""
         r = self.reducer
         if r.on_stall == self.on_stall and self._replaced is not None:
-            r.on_stall, r.stall_after_s = self._replaced
+            r.on_stall, r.stall_after_s, r.on_timeout = self._replaced
             self._replaced = None
         if self._responder is not None:
             self._responder.stop()
@@ -706,22 +711,76 @@ class StallMonitor:
             self.diagnose(report)
             self.act(report, None)
 
+    def on_timeout(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
+        """The reducer's timeout seam: its wait passed ``sync_timeout_s`` (whether or not a
+        warning came first). Say who holds ``bucket`` up and ask them where they are now.
+
+        Returns the lines for :class:`~mini_ddp.errors.GradSyncTimeout`'s message (after its
+        own text; empty when every rank has arrived meanwhile) and the extra fields of this
+        rank's flight recorder dump (``report``, ``peers``). Bounded in wall-clock time: the
+        peers' grace to leave their marks (at most :data:`ARRIVAL_GRACE_S`), then
+        :attr:`timeout_answer_s` for the stacks — a rank that does not answer is said to, as in
+        a warning. The store is used from a thread of its own, joined with that deadline (and
+        a second more): a store call cannot be given a deadline, and a store cut off from this
+        rank (a network partition) would otherwise hold the error back for the store's own
+        timeout.
+        """
+        found: list[tuple[str, dict[str, Any]]] = []
+        worker = threading.Thread(target=lambda: found.append(self._ask_late(reducer, bucket)),
+                                  name=f"mini_ddp-timeout-ask-rank{reducer.rank}", daemon=True)
+        worker.start()
+        limit = min(self.limit_s, ARRIVAL_GRACE_S) + self.timeout_answer_s + 1.0
+        worker.join(limit)
+        if not found:
+            return (f"  The late ranks could not be asked where they are: the process group's "
+                    f"store did not answer within {limit:g} s.", {})
+        return found[0]
+
+    def _ask_late(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
+        try:
+            self.publish("waiting", launched=reducer.step.next_bucket,
+                         waiting_for=None if bucket is None else bucket.index)
+            report = self.report(bucket, None)
+            if report is None or not report.culprits:
+                return "", {}
+            self.ask(report, "timed out waiting", self.timeout_answer_s)
+        except Exception:  # noqa: BLE001 - the timeout is raised in any case, with what we have
+            logger.exception("mini_ddp: rank %d could not find the late ranks of its timeout",
+                             reducer.rank)
+            return "", {}
+        lines = ["  Ranks that had not reached it when this rank gave up:"]
+        for rank, why in sorted(report.culprits.items()):
+            lines.append(f"  rank {rank}: {why}")
+            if rank in report.stacks:
+                lines.append(describe_answer(rank, report.stacks[rank]))
+        text = "\n".join(lines)
+        return text, {"report": text, "peers": {str(rank): answer
+                                               for rank, answer in report.stacks.items()}}
+
     # ---- where the late ranks are -------------------------------------------------------------
-    def diagnose(self, report: StallReport) -> None:
-        """Ask the late ranks (at most :data:`MAX_ASKED`) for their stacks, into ``report``;
-        then dump this rank's flight log (the asked ranks dump theirs as they answer)."""
+    def ask(self, report: StallReport, waits: str = "waits",
+            answer_s: float | None = None) -> None:
+        """Ask the late ranks of ``report`` (at most :data:`MAX_ASKED`, the lowest) for their
+        stacks, into ``report.stacks``, waiting ``answer_s`` (default :attr:`answer_s`) for
+        them (each asked rank dumps its flight log as it answers)."""
         r = self.reducer
         late = sorted(report.culprits)[:MAX_ASKED]
         if late and report.error is None:
             what = "the unused-parameter map" if report.waiting_for is None \
                 else f"bucket {report.waiting_for}"
             try:
-                report.stacks = ask_stacks(self.store, late, self.answer_s, asked_by=r.rank,
-                                           why=f"rank {r.rank} waits for {what} of step "
+                report.stacks = ask_stacks(self.store, late, answer_s or self.answer_s,
+                                           asked_by=r.rank,
+                                           why=f"rank {r.rank} {waits} for {what} of step "
                                                f"{report.step}")
             except Exception:  # noqa: BLE001 - a report without stacks beats a failed wait
                 logger.exception("mini_ddp: rank %d could not ask ranks %s for their stacks",
                                  r.rank, late)
+
+    def diagnose(self, report: StallReport) -> None:
+        """Ask the late ranks for their stacks (:meth:`ask`), into ``report``; then dump this
+        rank's flight log (the asked ranks dump theirs as they answer)."""
+        self.ask(report)
         text = str(report)
         self.dump(f"stall warning: {text.splitlines()[0]}", report=text,
                   peers={str(rank): answer for rank, answer in report.stacks.items()})
