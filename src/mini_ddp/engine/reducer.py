@@ -409,7 +409,8 @@ class Reducer(TorchReducerAPI):
             # Only a launch moves next_bucket, so only a full bucket can make it the last.
             if step.next_bucket == len(buckets):
                 if self.unused_search.dynamic:
-                    self.unused_search.launch_map_reduce(lambda: self.describe(None))
+                    self.unused_search.launch_map_reduce(lambda: self.describe(None),
+                                                         self.flight, step.num_iterations)
                 Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def copy_grad_in(self, bucket: bucketing.Bucket, position: int) -> None:
@@ -536,7 +537,8 @@ class Reducer(TorchReducerAPI):
         """
         buckets = self.layout.buckets
         with self._lock:
-            self.unused_search.launch_map_reduce(lambda: self.describe(None))
+            self.unused_search.launch_map_reduce(lambda: self.describe(None), self.flight,
+                                                 self.step.num_iterations)
             self.unused_search.unused = [i for i, c in enumerate(self.step.static_hook_counts)
                                          if c == 0]
             self.step.require_finalize = True

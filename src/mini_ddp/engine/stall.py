@@ -17,9 +17,9 @@ Every rank involved writes its flight recorder dump (:class:`FlightLog`, below),
 ``python -m mini_ddp doctor DIR``.
 
 Cost on the happy path: nothing per step — no collective, no store access; the store is used
-only once a wait has passed the limit. Installing starts the responder (one daemon thread
-blocked in one ``store.wait`` on its own connection) and the flight log (a ``deque.append``
-per bucket launch). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on this class: it
+only once a wait has passed the limit (or ``sync_timeout_s`` has: :meth:`StallMonitor.on_timeout`
+asks the late ranks too). Installing starts the responder (one daemon thread blocked in one
+``store.wait`` on its own connection) and the flight log (a ``deque.append`` per collective). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on this class: it
 leaves marks at every bucket launch (so the report can say which parameters a rank never
 produced) and can raise instead of warn.
 
@@ -45,12 +45,14 @@ asker's polls of the answer key every 50 ms until it comes (usually within one p
 A rank whose threads cannot run Python — stuck in native code that holds the GIL, or dead —
 cannot answer; :func:`ask_stacks` then says so ("did not answer within N s").
 
-**The flight recorder**: each rank's last N bucket collectives, dumped when sync goes wrong.
+**The flight recorder**: each rank's last N collectives, dumped when sync goes wrong.
 
 Every model watched by the stall warning keeps a :class:`FlightLog` on its reducer: a ring
-buffer (``collections.deque(maxlen=N)``) of the collectives the reducer launched — sequence
-number, step, bucket, bytes, when it launched and when it completed. Recording is one list and
-one ``deque.append`` per launch, and a stamp when the reducer's wait for it returns.
+buffer (``collections.deque(maxlen=N)``) of the collectives the engine launched (:data:`OPS`:
+the bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter map, join's
+collectives) — sequence number, which one, step, bucket, bytes, when it launched and when it
+completed. Recording is one list and one ``deque.append`` per launch, and a stamp when the
+engine's wait for it returns (a collective nobody waits for is asked at dump time).
 
 A dump writes this rank's ring, its own Python stacks and why it dumped into a directory: the
 keyword ``dump_dir`` (:func:`mini_ddp.observe.flight_recorder.flight_recorder`), else the
@@ -331,8 +333,27 @@ TORCH_PREFIX = "mini_ddp_fr_"
 TORCH_FORMAT_VERSION = "2.10"
 """The flight-recorder format version the torch-format dumps declare (torch 2.14 reads it)."""
 
-# entry fields, kept as a list so the done-callback can stamp it in place
-SEQ, STEP, BUCKET, NBYTES, NUMEL, DTYPE, LAUNCHED, COMPLETED, STATE = range(9)
+# entry fields, kept as a list so the done-callback can stamp it in place; WORK: the work of a
+# collective nobody waits for (join's announcements), asked whether it is done at dump time
+SEQ, STEP, BUCKET, NBYTES, NUMEL, DTYPE, LAUNCHED, COMPLETED, STATE, OP, WORK = range(11)
+BUCKET_OP = "bucket_all_reduce"
+OPS = {
+    BUCKET_OP: ("all_reduce", "the all-reduce of bucket {bucket}"),
+    "startup_broadcast": ("broadcast", "the start-up broadcast of rank 0's parameters and "
+                                       "buffers"),
+    "buffers_broadcast": ("broadcast", "the broadcast of the buffers before forward"),
+    "used_map_all_reduce": ("all_reduce", "the unused-parameter map all-reduce"),
+    "join_notify_all_reduce": ("all_reduce", "join's count of the ranks still training"),
+    "join_sync_flag_all_reduce": ("all_reduce", "join's flag: does this backward synchronise"),
+    "join_common_rank_all_reduce": ("all_reduce", "join's choice of the authoritative rank"),
+    "join_final_broadcast": ("broadcast", "join's broadcast of the last joiner's model"),
+}
+"""Every collective the engine records: op name -> (torch's collective, the words for it).
+The bucket all-reduces, the parameter and buffer broadcasts, the used map of
+``find_unused_parameters`` / ``static_graph``, and join's collectives. Not recorded (the same
+on every rank, so the numbering still agrees): the start-up check that every rank holds the same
+parameters, the broadcast of the rebuilt bucket layout, and the shared-memory transport's
+own synchronisation."""
 _LIVE: weakref.WeakSet[FlightLog] = weakref.WeakSet()
 _signal_installed = False
 _WRITES = itertools.count()
@@ -358,16 +379,46 @@ class FlightLog:
         self._lock = threading.RLock()
         _LIVE.add(self)
 
+    @classmethod
+    def of_group(cls, group: Any, reducer: Any = None) -> FlightLog:
+        """A log for this rank of ``group`` (None: the default group)."""
+        group = group if group is not None else dist.group.WORLD
+        return cls(dist.get_rank(group), dist.get_world_size(group),
+                   str(getattr(group, "group_name", "0")), str(dist.get_backend(group)),
+                   reducer=reducer)
+
+    def watch(self, reducer: Any) -> None:
+        """Read ``reducer``'s progress at dump time (a log made before its reducer)."""
+        self._reducer = weakref.ref(reducer)
+
     # ---- recording (the reducer's launch) -------------------------------------------------
     def launched(self, step: int, bucket: Any) -> None:
         """Record the launch of ``bucket``'s collective (state ``started``)."""
         buffer = bucket.buffer
         entry = [self.seq, step, bucket.index, bucket.nbytes, buffer.numel(), buffer.dtype,
-                 time.time_ns(), None, "started"]
+                 time.time_ns(), None, "started", BUCKET_OP, None]
         self.seq += 1
         self.step = step
         self.ring.append(entry)
         self._open[bucket.index] = entry
+
+    def started(self, op: str, step: int, tensor: Any, work: Any = None) -> list:
+        """Record the launch of one of the engine's other collectives, ``op`` (a key of
+        :data:`OPS`), on ``tensor`` (state ``started``); returns the entry for
+        :meth:`finished`. ``work``: the collective's work when nobody waits for it — asked at
+        dump time whether it has completed."""
+        numel = tensor.numel()
+        entry = [self.seq, step, None, numel * tensor.element_size(), numel, tensor.dtype,
+                 time.time_ns(), None, "started", op, work]
+        self.seq += 1
+        self.ring.append(entry)
+        return entry
+
+    @staticmethod
+    def finished(entry: list, state: str = "completed") -> None:
+        """The wait for ``entry``'s collective (from :meth:`started`) returned, or
+        (``state="failed"``) it failed: stamp the entry."""
+        entry[COMPLETED], entry[STATE], entry[WORK] = time.time_ns(), state, None
 
     def completed(self, bucket_index: int, state: str = "completed") -> None:
         """The reducer's wait for bucket ``bucket_index`` returned (or, ``state="failed"``, its
@@ -387,10 +438,15 @@ class FlightLog:
         """This rank's dump as a JSON-ready dict (``stacks`` default: taken now; ``extra``
         entries are added as they are: ``report``, the stall report's text, and ``peers``,
         ``{rank: answer}`` of the ranks it asked for their stacks)."""
-        entries = [{"seq": e[SEQ], "step": e[STEP], "bucket": e[BUCKET], "bytes": e[NBYTES],
-                    "numel": e[NUMEL], "dtype": str(e[DTYPE]).removeprefix("torch."),
-                    "launched_ns": e[LAUNCHED], "completed_ns": e[COMPLETED], "state": e[STATE]}
-                   for e in list(self.ring)]  # list(): an atomic copy
+        ring = list(self.ring)  # an atomic copy
+        for e in ring:
+            work = e[WORK]
+            if work is not None and e[STATE] == "started" and work.is_completed():
+                self.finished(e)  # discovered now, as torch's time_discovered_completed_ns
+        entries = [{"seq": e[SEQ], "op": e[OP], "step": e[STEP], "bucket": e[BUCKET],
+                    "bytes": e[NBYTES], "numel": e[NUMEL],
+                    "dtype": str(e[DTYPE]).removeprefix("torch."), "launched_ns": e[LAUNCHED],
+                    "completed_ns": e[COMPLETED], "state": e[STATE]} for e in ring]
         return {"format": "mini_ddp flight recorder", "version": 1, "rank": self.rank,
                 "world_size": self.world_size, "group": self.group_name,
                 "backend": self.backend, "host": socket.gethostname(), "pid": os.getpid(),
@@ -449,10 +505,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
 def torch_format(dump: dict[str, Any]) -> dict[str, Any]:
     """``dump`` (from :meth:`FlightLog.snapshot`) in torch's flight-recorder format.
 
-    Each bucket collective becomes an ``all_reduce`` entry of the group, its sequence number the
-    ``collective_seq_id`` (the analyser lines ranks up by it), its bucket's element count the
-    input and output size; states map to torch's (``started`` / ``completed``). What torch's
-    format has no field for (step, bucket, stacks, the stall report) stays in the JSON dump.
+    Each recorded collective becomes an entry of the group under torch's name for it
+    (``all_reduce`` for a bucket, the used map and join's counts; ``broadcast`` for the
+    parameter and buffer broadcasts: :data:`OPS`), its sequence number the
+    ``collective_seq_id`` (the analyser lines ranks up by it), its element count the input and
+    output size; states map to torch's (``started`` / ``completed``). What torch's format has
+    no field for (step, bucket, which of the engine's collectives, stacks, the stall report)
+    stays in the JSON dump.
     """
     backend = "nccl" if dump["backend"] == "nccl" else "gloo"
     group = (dump["group"], "default_pg" if dump["group"] == "0" else dump["group"])
@@ -462,7 +521,8 @@ def torch_format(dump: dict[str, Any]) -> dict[str, Any]:
         entries.append({
             "record_id": e["seq"], "pg_id": 0, "process_group": group,
             "collective_seq_id": e["seq"], "p2p_seq_id": 0, "op_id": e["seq"],
-            "profiling_name": f"{backend}:all_reduce", "time_created_ns": e["launched_ns"],
+            "profiling_name": f"{backend}:{OPS.get(e.get('op', BUCKET_OP), OPS[BUCKET_OP])[0]}",
+            "time_created_ns": e["launched_ns"],
             "input_sizes": [[e["numel"]]], "output_sizes": [[e["numel"]]],
             "input_dtypes": [_TORCH_DTYPES.get(e["dtype"], e["dtype"])],
             "output_dtypes": [_TORCH_DTYPES.get(e["dtype"], e["dtype"])],
@@ -635,15 +695,13 @@ class StallMonitor:
         r = self.reducer
         if not hasattr(r, "layout"):
             return  # a stand-in reducer (tests of the install/remove bookkeeping)
-        if getattr(r, "flight", None) is None:
-            group = r.group if r.group is not None else dist.group.WORLD
-            r.flight = FlightLog(r.rank, r.world_size, str(getattr(group, "group_name", "0")),
-                                 str(dist.get_backend(group)), reducer=r)
-            if os.environ.get("MINI_DDP_FLIGHT_SIGNAL", "") not in ("", "0"):
-                # Opt-in: a process-wide signal is not a library's to take by default, and
-                # faulthandler.register(SIGUSR1) — how hang stacks are usually taken — is
-                # invisible to signal.getsignal, so installing would silently replace it.
-                install_dump_signal()
+        if getattr(r, "flight", None) is None:  # else made by the model, before its reducer
+            r.flight = FlightLog.of_group(r.group, reducer=r)
+        if os.environ.get("MINI_DDP_FLIGHT_SIGNAL", "") not in ("", "0"):
+            # Opt-in: a process-wide signal is not a library's to take by default, and
+            # faulthandler.register(SIGUSR1) — how hang stacks are usually taken — is
+            # invisible to signal.getsignal, so installing would silently replace it.
+            install_dump_signal()
         if self._responder is None and r.world_size > 1:
             store = self._store
             if store is None:  # a store of its own: the happy path leaves self.store unopened
