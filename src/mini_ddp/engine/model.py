@@ -313,17 +313,7 @@ class DataParallelModel(DistributedDataParallel):
     @torch._disable_dynamo(recursive=False)
     def _forward_with_bookkeeping(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-        try:
-            output = self._run_ddp_forward(*inputs, **kwargs)
-        except BaseException:
-            # The module raised: no backward of this forward can come, so the reducer stops
-            # treating one as running (torch DDP: prepare_for_backward never runs, and hooks
-            # until the next forward are ignored). A bare raise: the exception goes on as the
-            # module raised it (same object, traceback, nothing chained).
-            if self.reducer is not None:
-                self.reducer.forward_running(False)
-            raise
-        return self._post_forward(output)
+        return self._post_forward(self._run_ddp_forward(*inputs, **kwargs))
 
     @torch._disable_dynamo
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -376,6 +366,13 @@ class DataParallelModel(DistributedDataParallel):
         DistributedDataParallel._active_ddp_module = self
         try:
             return self.module(*inputs, **kwargs)
+        except BaseException:
+            # The module raised: no backward of this forward can come, so the reducer stops
+            # treating one as running (torch DDP: prepare_for_backward never runs, and hooks
+            # until the next forward are ignored). A bare raise: the exception goes on as the
+            # module raised it (same object, traceback, nothing chained).
+            self.reducer.forward_running(False)
+            raise
         finally:
             DistributedDataParallel._active_ddp_module = previous
 
