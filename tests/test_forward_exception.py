@@ -27,9 +27,10 @@ a bug in DDP implementation, please report a bug with a repro to PyTorch." (its 
 We raise the same sentence, naming the parameter. With ``zero_grad(set_to_none=False)`` both
 engines train on, bitwise equal.
 
-Before the fix, the flag "a synchronised forward is running" stayed set after the exception,
-and the penalty's backward was refused (``UnarmedBackwardError``: "while DataParallelModel's
-forward was still running").
+What the test guards on our side: the flag "a synchronised forward is running" is reset on
+every exit of the forward, the exceptional one included; left set, it makes the engine refuse
+the penalty's backward (``UnarmedBackwardError``: "while DataParallelModel's forward was still
+running"), which torch DDP accepts.
 """
 
 from __future__ import annotations
