@@ -3,10 +3,12 @@
 Two ranks, a model with BatchNorm buffers and ``find_unused_parameters=True``: the dump (through
 the public ``dump`` verb) holds the start-up broadcast of parameters and buffers, each forward's
 buffer broadcast, the bucket all-reduces and the unused-parameter map all-reduce — in launch
-order, numbered alike on both ranks, each completed. The same under ``join`` with uneven
-inputs, where the rank that ran out of batches stands in for the other's collectives: its
-entries line up with the other rank's one for one. ``python -m mini_ddp doctor`` finds nothing
-to report in either, and torch's own analyser reads the torch-format files.
+order, numbered alike on both ranks, each completed; without ``find_unused_parameters``, the
+broadcasts of the rebuilt bucket layout before the second forward, and no map. The same under
+``join`` with uneven inputs, where the rank that ran out of batches stands in for the other's
+collectives: its entries line up with the other rank's one for one. ``python -m mini_ddp
+doctor`` finds nothing to report in any of them, and torch's own analyser reads the
+torch-format files.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pickle
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -38,17 +41,18 @@ class BranchyBN(nn.Module):
         return self.tail(h) + (self.branch(h) if self.use_branch else 0)
 
 
-def _model() -> DataParallelModel:
+def _model(find_unused: bool = True) -> DataParallelModel:
     torch.manual_seed(0)
     # A tiny cap: two buckets, so their order shows.
-    return DataParallelModel(BranchyBN(), find_unused_parameters=True, bucket_cap_mb=0.0003)
+    return DataParallelModel(BranchyBN(), find_unused_parameters=find_unused,
+                             bucket_cap_mb=0.0003)
 
 
-def _train(ctx, outdir: str) -> None:
-    model = _model()
+def _train(ctx, outdir: str, find_unused: bool) -> None:
+    model = _model(find_unused)
     flight_recorder(model, dump_dir=outdir)
     for step in range(2):
-        model.module.use_branch = step == 0
+        model.module.use_branch = step == 0 or not find_unused
         model(torch.randn(6, 4) + ctx.rank).sum().backward()
     dump(model, "after two steps")
 
@@ -79,32 +83,38 @@ def _check_lined_up(folder) -> dict[int, dict]:
     return dumps
 
 
-def test_every_collective_of_a_step_is_recorded_in_launch_order(tmp_path):
-    run_ranks(_train, 2, args=(str(tmp_path),), timeout_s=90)
+@pytest.mark.parametrize("find_unused", [True, False], ids=["find_unused", "default"])
+def test_every_collective_of_a_step_is_recorded_in_launch_order(tmp_path, find_unused):
+    run_ranks(_train, 2, args=(str(tmp_path), find_unused), timeout_s=90)
     dumps = _check_lined_up(tmp_path)
     params = sum(p.numel() for p in BranchyBN().parameters())
     state = params + 2 * 8  # and the running mean and variance: one float32 broadcast
-    per_step = [("buffers_broadcast", 16, "float32"), ("buffers_broadcast", 1, "int64"),
-                ("bucket_all_reduce", None, "float32"), ("bucket_all_reduce", None, "float32"),
-                ("used_map_all_reduce", 4 * 2, "int32")]  # one int32 per parameter
+    # The layouts DDP's rules give this model and cap: two buckets with the search (never
+    # rebuilt), else one.
+    num_buckets = 2 if find_unused else 1
+    step = [("buffers_broadcast", 16, "float32"), ("buffers_broadcast", 1, "int64")]
+    step += [("bucket_all_reduce", None, "float32")] * num_buckets
+    if find_unused:  # then the map, one int32 per parameter
+        step.append(("used_map_all_reduce", 8, "int32"))
+    rebuild = [] if find_unused else [  # the rebuilt layout: its sizes, then its 8 indices
+        ("layout_broadcast", 2, "int64"), ("layout_broadcast", num_buckets + 8, "int64")]
+    expected = [("startup_broadcast", 0, state, "float32"), ("startup_broadcast", 0, 1, "int64")]
+    expected += [(op, 1, n, dtype) for op, n, dtype in step]
+    expected += [(op, 2, n, dtype) for op, n, dtype in rebuild + step]
     for d in dumps.values():
         entries = d["entries"]
-        assert _ops(entries[:2]) == [("startup_broadcast", 0, None, state, "float32"),
-                                     ("startup_broadcast", 0, None, 1, "int64")]
-        for step in (1, 2):
-            got = entries[2 + 5 * (step - 1):2 + 5 * step]
-            assert [(e["op"], e["step"], e["dtype"]) for e in got] == \
-                [(op, step, dtype) for op, _, dtype in per_step], got
-            assert [e["numel"] for e in got if e["op"] != "bucket_all_reduce"] == [16, 1, 8]
-            assert [e["bucket"] for e in got if e["op"] == "bucket_all_reduce"] == [0, 1]
-            assert sum(e["numel"] for e in got if e["op"] == "bucket_all_reduce") == params
-        assert len(entries) == 12
+        assert [(e["op"], e["step"], e["numel"] if n is not None else None, e["dtype"])
+                for e, (_, _, n, _) in zip(entries, expected, strict=True)] == expected
+        buckets = [e for e in entries if e["op"] == "bucket_all_reduce"]
+        assert [e["bucket"] for e in buckets] == list(range(num_buckets)) * 2
+        assert sum(e["numel"] for e in buckets) == 2 * params
     assert _ops(dumps[0]["entries"]) == _ops(dumps[1]["entries"])
     # torch's format names each by torch's collective, and torch's analyser reads it.
     torch_dump = pickle.loads((tmp_path / f"{TORCH_PREFIX}0").read_bytes())
-    names = [e["profiling_name"] for e in torch_dump["entries"]]
-    assert names == ["gloo:broadcast"] * 4 + ["gloo:all_reduce"] * 3 + \
-        ["gloo:broadcast"] * 2 + ["gloo:all_reduce"] * 3
+    torch_names = {"broadcast": "gloo:broadcast", "all_reduce": "gloo:all_reduce"}
+    assert [e["profiling_name"] for e in torch_dump["entries"]] == [
+        torch_names["broadcast" if op.endswith("broadcast") else "all_reduce"]
+        for op, _, _, _ in expected]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
                           str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -129,3 +139,43 @@ def test_under_join_the_joined_rank_records_what_it_stands_in_for(tmp_path):
     # The joined rank counted no steps of its own: its stand-in entries keep its last step.
     assert {e["step"] for e in dumps[1]["entries"]} == {0, 1}
     assert max(e["step"] for e in dumps[0]["entries"]) == 3
+
+
+# ---- no processes ----------------------------------------------------------------------------
+class _Work:
+    """A collective's work that nobody waits for: done once ``done`` is set."""
+
+    def __init__(self):
+        self.done = False
+
+    def is_completed(self):
+        return self.done
+
+
+def test_the_doctor_names_a_desync_between_a_broadcast_and_a_bucket(tmp_path):
+    from types import SimpleNamespace
+
+    from mini_ddp.engine.stall import FlightLog
+
+    logs = [FlightLog(rank, 2, dump_dir=tmp_path) for rank in (0, 1)]
+    work = _Work()
+    for log in logs:
+        log.finished(log.started("startup_broadcast", 0, torch.zeros(5)))
+    pending = logs[0].started("join_notify_all_reduce", 1, torch.ones(1), work)
+    logs[0].finished(logs[0].started("buffers_broadcast", 1, torch.zeros(3)))
+    # Rank 1 skipped its forward's broadcasts: its next collective is a bucket.
+    logs[1].launched(1, SimpleNamespace(index=0, nbytes=8, buffer=torch.zeros(2)))
+    work.done = True  # discovered at dump time
+    for log in logs:
+        log.dump("test")
+    dumps = read_dumps(tmp_path)
+    assert pending[-1] is None  # the work is let go once seen done
+    assert [(e["op"], e["state"]) for e in dumps[0]["entries"]] == [
+        ("startup_broadcast", "completed"), ("join_notify_all_reduce", "completed"),
+        ("buffers_broadcast", "completed")]
+    names = [e["profiling_name"] for e in pickle.loads(
+        (tmp_path / f"{TORCH_PREFIX}0").read_bytes())["entries"]]
+    assert names == ["gloo:broadcast", "gloo:all_reduce", "gloo:broadcast"]
+    text = "\n".join(diagnose(dumps))
+    assert ("collective #1 differs between ranks (rank 0: join's count of the ranks still "
+            "training of step 1 (1 elements); rank 1: bucket 0 of step 1 (2 elements))") in text

@@ -318,7 +318,8 @@ class Reducer(TorchReducerAPI):
         self.ensure_prior_reduction_finished()
         # Gradients the zero-copy write-back left in the old buffers move along (unless someone
         # else holds them), so later steps keep writing in place instead of copying.
-        return self.layout.rebuild_if_needed(writeback.handed_out_grads)
+        return self.layout.rebuild_if_needed(writeback.handed_out_grads, self.flight,
+                                             self.step.num_iterations)
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | torch.Tensor) -> None:
         """Arm the hooks for the backward of this forward's ``outputs`` (a tensor or a list

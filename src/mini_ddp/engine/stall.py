@@ -49,8 +49,8 @@ cannot answer; :func:`ask_stacks` then says so ("did not answer within N s").
 
 Every model watched by the stall warning keeps a :class:`FlightLog` on its reducer: a ring
 buffer (``collections.deque(maxlen=N)``) of the collectives the engine launched (:data:`OPS`:
-the bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter map, join's
-collectives) — sequence number, which one, step, bucket, bytes, when it launched and when it
+the bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter map, the
+rebuilt bucket layout, join's collectives) — sequence number, which one, step, bucket, bytes, when it launched and when it
 completed. Recording is one list and one ``deque.append`` per launch, and a stamp when the
 engine's wait for it returns (a collective nobody waits for is asked at dump time).
 
@@ -343,6 +343,7 @@ OPS = {
                                        "buffers"),
     "buffers_broadcast": ("broadcast", "the broadcast of the buffers before forward"),
     "used_map_all_reduce": ("all_reduce", "the unused-parameter map all-reduce"),
+    "layout_broadcast": ("broadcast", "the broadcast of rank 0's rebuilt bucket layout"),
     "join_notify_all_reduce": ("all_reduce", "join's count of the ranks still training"),
     "join_sync_flag_all_reduce": ("all_reduce", "join's flag: does this backward synchronise"),
     "join_common_rank_all_reduce": ("all_reduce", "join's choice of the authoritative rank"),
@@ -350,10 +351,10 @@ OPS = {
 }
 """Every collective the engine records: op name -> (torch's collective, the words for it).
 The bucket all-reduces, the parameter and buffer broadcasts, the used map of
-``find_unused_parameters`` / ``static_graph``, and join's collectives. Not recorded (the same
-on every rank, so the numbering still agrees): the start-up check that every rank holds the same
-parameters, the broadcast of the rebuilt bucket layout, and the shared-memory transport's
-own synchronisation."""
+``find_unused_parameters`` / ``static_graph``, the broadcasts of the rebuilt bucket layout
+(two: its sizes, then the layout) and join's collectives. Not recorded (the same on every
+rank, so the numbering still agrees): the start-up check that every rank holds the same
+parameters, and the shared-memory transport's own synchronisation."""
 _LIVE: weakref.WeakSet[FlightLog] = weakref.WeakSet()
 _signal_installed = False
 _WRITES = itertools.count()
