@@ -45,7 +45,8 @@ class JoiningModel(Protocol):
 
     def will_sync_module_buffers(self) -> bool: ...
     def sync_buffers(self, src: int | None = None) -> None: ...
-    def broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None: ...
+    def broadcast_module_states(self, include_buffers: bool, src: int = 0, flight: Any = None,
+                                op: str = "startup_broadcast") -> None: ...
 
 
 _ONE = torch.ones(1)
@@ -84,7 +85,7 @@ def notify_forward(model: JoiningModel) -> None:
     """
     work = Join.notify_join_context(model)
     reducer = model.reducer
-    if work is not None:  # not waited for (unless below): asked at dump time if it is done
+    if work is not None:  # mostly not waited for: the dump asks the work whether it is done
         _record(reducer, "join_notify_all_reduce", _ONE, work)
     reducer.div_factor = reducer.world_size
     if work is not None and not model.divide_by_initial_world_size:
