@@ -17,9 +17,11 @@ Every rank involved writes its flight recorder dump (:class:`FlightLog`, below),
 ``python -m mini_ddp doctor DIR``.
 
 Cost on the happy path: nothing per step — no collective, no store access; the store is used
-only once a wait has passed the limit (or ``sync_timeout_s`` has: :meth:`StallMonitor.on_timeout`
-asks the late ranks too). Installing starts the responder (one daemon thread blocked in one
-``store.wait`` on its own connection) and the flight log (a ``deque.append`` per collective). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on this class: it
+only once a wait has passed the limit (or ``sync_timeout_s`` has:
+:meth:`StallMonitor.on_timeout` asks the late ranks too). Installing starts the responder (one
+daemon thread blocked in one ``store.wait`` on its own connection) and the flight log (a
+``deque.append`` per collective). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on
+this class: it
 leaves marks at every bucket launch (so the report can say which parameters a rank never
 produced) and can raise instead of warn.
 
@@ -50,8 +52,8 @@ cannot answer; :func:`ask_stacks` then says so ("did not answer within N s").
 Every model watched by the stall warning keeps a :class:`FlightLog` on its reducer: a ring
 buffer (``collections.deque(maxlen=N)``) of the collectives the engine launched (:data:`OPS`:
 the bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter map, the
-rebuilt bucket layout, join's collectives) — sequence number, which one, step, bucket, bytes, when it launched and when it
-completed. Recording is one list and one ``deque.append`` per launch, and a stamp when the
+rebuilt bucket layout, join's collectives) — sequence number, which one, step, bucket, bytes,
+when it launched and when it completed. Recording is one list and one ``deque.append`` per launch, and a stamp when the
 engine's wait for it returns (a collective nobody waits for is asked at dump time).
 
 A dump writes this rank's ring, its own Python stacks and why it dumped into a directory: the
@@ -338,7 +340,7 @@ TORCH_FORMAT_VERSION = "2.10"
 SEQ, STEP, BUCKET, NBYTES, NUMEL, DTYPE, LAUNCHED, COMPLETED, STATE, OP, WORK = range(11)
 BUCKET_OP = "bucket_all_reduce"
 OPS = {
-    BUCKET_OP: ("all_reduce", "the all-reduce of bucket {bucket}"),
+    BUCKET_OP: ("all_reduce", "a bucket's all-reduce"),
     "startup_broadcast": ("broadcast", "the start-up broadcast of rank 0's parameters and "
                                        "buffers"),
     "buffers_broadcast": ("broadcast", "the broadcast of the buffers before forward"),
