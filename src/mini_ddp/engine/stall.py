@@ -53,8 +53,9 @@ Every model watched by the stall warning keeps a :class:`FlightLog` on its reduc
 buffer (``collections.deque(maxlen=N)``) of the collectives the engine launched (:data:`OPS`:
 the bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter map, the
 rebuilt bucket layout, join's collectives) — sequence number, which one, step, bucket, bytes,
-when it launched and when it completed. Recording is one list and one ``deque.append`` per launch, and a stamp when the
-engine's wait for it returns (a collective nobody waits for is asked at dump time).
+when it launched and when it completed. Recording is one list and one ``deque.append`` per
+launch, and a stamp when the engine's wait for it returns (a collective nobody waits for is
+asked at dump time).
 
 A dump writes this rank's ring, its own Python stacks and why it dumped into a directory: the
 keyword ``dump_dir`` (:func:`mini_ddp.observe.flight_recorder.flight_recorder`), else the
