@@ -97,6 +97,23 @@ def _backward_twice():
     loss.backward()
 
 
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x, both=True):
+        return self.second(self.first(x)) if both else self.first(x)
+
+
+def _undefined_but_used():
+    model = DataParallelModel(_TwoLayers(), find_unused_parameters=True)
+    with model.no_sync():  # uses `second`, synchronises nothing
+        model(torch.randn(1, 2)).sum().backward()
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(1, 2), both=False).sum().backward()
+
+
 def _second_hook():
     model = DataParallelModel(nn.Linear(2, 2))
     model.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -297,6 +314,7 @@ IN_PROCESS: dict[str, Callable[[], object]] = {
     "A backward inside a forward that nothing armed":
         lambda: DataParallelModel(_StepInForward())(torch.randn(1, 2)),
     "The graph changed under `static_graph=True`": _graph_changed,
+    "A parameter without a gradient that the used map counts as used": _undefined_but_used,
     "A rung of the teaching ladder: a parameter got no gradient": _ladder_unused,
     "A sparse parameter got no gradient": _sparse_unused,
     "A sparse parameter got a dense gradient": _sparse_dense_grad,

@@ -69,8 +69,12 @@ def test_a_grad_sync_timeout_dumps(hangs):
     for rank in (0, 2):
         assert results[rank]["timeout"].startswith("GradSyncTimeout")
         assert f"waited more than {TIMEOUT_S} s" in results[rank]["timeout"]
+        assert "where rank 1 is (Python stacks" in results[rank]["timeout"]
         assert dumps[rank]["reason"].startswith("GradSyncTimeout")
         assert dumps[rank]["entries"][-1]["state"] == "started"
+        assert dumps[rank]["peers"]["1"]["answered"]
+    # The late rank was asked by the timeout (no warning came first), and dumped as it answered.
+    assert dumps[1]["reason"].startswith("asked for its stack by rank")
 
 
 def test_torchs_analyser_reads_the_dumps_and_names_the_missing_rank(hangs):

@@ -59,14 +59,15 @@ class GradSyncTimeout(MiniDDPError):
     """A bucket's collective did not finish within the configured deadline."""
 
     def __init__(self, rank: int, timeout_s: float | None, bucket: Any, names: list[str],
-                 num_buckets: int):
+                 num_buckets: int, late: str = ""):
         self.rank, self.timeout_s, self.bucket = rank, timeout_s, bucket
+        self.late = late  # the late ranks and where they were, as the stall monitor found them
         what = describe_bucket(bucket, names, num_buckets)
         super().__init__(
             f"mini_ddp: rank {rank} waited more than {timeout_s} s for {what}. Another rank "
             "is probably dead, stuck, or skipped this bucket (a parameter that got no gradient "
             "there). Raise DataParallelModel(sync_timeout_s=...) if steps are legitimately "
-            "this slow.")
+            "this slow." + (f"\n{late}" if late else ""))
 
 
 def describe_bucket(bucket: Any, names: list[str], num_buckets: int) -> str:

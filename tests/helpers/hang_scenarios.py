@@ -7,7 +7,7 @@ others wait at the end of backward (``stall_warning_s=WARN_S``): in a data loade
 hook, in a communication hook, in a rank-0-only barrier, in native code holding the GIL. Each
 scenario dumps its flight recorder files into its own directory. Last, rank 1 SIGKILLs itself
 before a forward: the survivors' collective fails. In between, a ``sync_timeout_s`` shorter than
-the warning ends a wait with ``GradSyncTimeout``.
+the warning ends a wait with ``GradSyncTimeout``, whose message says where the late rank is.
 
 Every rank writes what it saw (the warnings and when they came, the errors) to
 ``results_rank<R>.json``: the job ends with rank 1 dead, so ``run_ranks`` raises.
@@ -88,7 +88,7 @@ def _line_of(function: str, marker: str) -> int:
 
 for _name, _marker in (("slow_loader", "time.sleep"), ("slow_grad_hook", "time.sleep"),
                        ("slow_comm_hook", "time.sleep"), ("rank0_only_checkpoint", "barrier("),
-                       ("hold_gil", "sleep(")):
+                       ("hold_gil", "sleep("), ("_job", "waits for the others' timeout")):
     LINES[_name] = _line_of(_name, _marker)
 
 
@@ -157,7 +157,8 @@ def _job(ctx, outdir: str) -> None:
         _STUCK["where"] = None
         seen["scenarios"][name] = {"warnings": records[:], "step": model.reducer.step.num_iterations}
         time.sleep(0.5)  # a late answer (the GIL case) lands in this scenario's directory
-    # GradSyncTimeout: a deadline shorter than the warning; rank 1 arrives after it.
+    # GradSyncTimeout: a deadline shorter than the warning; rank 1 arrives after it, and after
+    # the others have asked it where it is (their grace for its mark, then the ask).
     model = DataParallelModel(_net(), sync_timeout_s=TIMEOUT_S)
     flight_recorder(model, dump_dir=out / "timeout")
     for _ in range(2):
@@ -166,7 +167,7 @@ def _job(ctx, outdir: str) -> None:
     try:
         loss = model(x).sum()
         if ctx.rank == 1:
-            time.sleep(TIMEOUT_S + 2)
+            time.sleep(TIMEOUT_S + 4)  # waits for the others' timeout: stuck here
         loss.backward()
         seen["timeout"] = None
     except MiniDDPError as error:

@@ -131,26 +131,38 @@ def assign_buckets(
 
 
 def agree_on_layout(layout: list[list[int]], group: dist.ProcessGroup | None,
-                    device: torch.device) -> list[list[int]]:
+                    device: torch.device, flight: Any = None, step: int = 0
+                    ) -> list[list[int]]:
     """Make every rank use rank 0's bucket layout (DDP broadcasts the rebuilt layout too).
 
     Gradient-ready order can differ between ranks (threads, data-dependent control flow);
     all-reducing buckets of different shapes would mix unrelated gradients, so rank 0 decides.
+    ``flight``: the flight recorder that records both broadcasts (as ``layout_broadcast`` of
+    ``step``).
     """
     sizes = [len(bucket) for bucket in layout]
+    src = dist.get_global_rank(group, 0) if group else 0
     header = torch.tensor([len(sizes), sum(sizes)], dtype=torch.int64, device=device)
-    dist.broadcast(header, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    _recorded_broadcast(header, src, group, flight, step)
     num_buckets, num_indices = (int(v) for v in header.tolist())
     body = torch.zeros(num_buckets + num_indices, dtype=torch.int64, device=device)
     if dist.get_rank(group) == 0:
         body.copy_(torch.tensor(sizes + [i for bucket in layout for i in bucket]))
-    dist.broadcast(body, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    _recorded_broadcast(body, src, group, flight, step)
     values = body.tolist()
     agreed, cursor = [], num_buckets
     for size in values[:num_buckets]:
         agreed.append(values[cursor:cursor + size])
         cursor += size
     return agreed
+
+
+def _recorded_broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,
+                        flight: Any, step: int) -> None:
+    entry = None if flight is None else flight.started("layout_broadcast", step, tensor)
+    dist.broadcast(tensor, src=src, group=group)
+    if entry is not None:
+        flight.finished(entry)
 
 
 def _is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -452,11 +464,13 @@ class BucketLayout:
             self.rebuild_order = list(range(len(self.params)))
 
     def rebuild_if_needed(self, handed_out: Callable[[Sequence[Bucket]],
-                                                     list[tuple[int, torch.Tensor]]]) -> bool:
+                                                     list[tuple[int, torch.Tensor]]],
+                          flight: Any = None, step: int = 0) -> bool:
         """Before a forward: rebuild the buckets once, in the recorded order, with rank 0's.
 
         ``handed_out(buckets)`` lists the gradients that move along into the new buffers
-        (:func:`mini_ddp.engine.writeback.handed_out_grads`).
+        (:func:`mini_ddp.engine.writeback.handed_out_grads`); ``flight`` records the
+        broadcast of the layout (:func:`agree_on_layout`).
         """
         if not self.should_rebuild() or not self.rebuild_order:
             return False
@@ -465,7 +479,7 @@ class BucketLayout:
                                           expect_sparse=self.config.expect_sparse_gradients)
         with naming_collective(self.rank, "the broadcast of rank 0's rebuilt bucket layout "
                                "(before the second forward)"):
-            layout = agree_on_layout(layout, self.group, self.params[0].device)
+            layout = agree_on_layout(layout, self.group, self.params[0].device, flight, step)
         self.has_rebuilt = True
         self.rebuild_order = []
         self.install(layout, rebuilt=True, movable=handed_out(self.buckets))

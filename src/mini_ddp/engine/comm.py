@@ -14,6 +14,7 @@ broadcast, reduce-add, scatter, gather) see :mod:`mini_ddp.transport.local_comm`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,8 @@ def _fmt(value: object) -> str:
 def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
                              group: dist.ProcessGroup | None = None,
                              bucket_bytes: int = BROADCAST_BUCKET_BYTES,
-                             timeout_s: float | None = None) -> None:
+                             timeout_s: float | None = None, flight: Any = None,
+                             op: str = "buffers_broadcast", step: int = 0) -> None:
     """Overwrite ``tensors`` on every rank with rank ``src``'s values, in few collectives.
 
     Tensors are grouped by (dtype, device) in order, each group capped at ``bucket_bytes``,
@@ -89,13 +91,18 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
     grouping never changes a bit — it only saves collectives. ``timeout_s`` bounds the wait for
     each broadcast, blocking the host until it has finished (RuntimeError when it runs out);
     None waits as torch DDP does — on NCCL only the current stream waits, not the host, and
-    the process group's own timeout applies.
+    the process group's own timeout applies. ``flight``: a flight recorder
+    (:class:`mini_ddp.engine.stall.FlightLog`) that records each broadcast as ``op`` of
+    ``step``.
     """
     with torch.no_grad():
         for group_tensors in _coalesce_groups(tensors, bucket_bytes):
             flat = _flatten_dense_tensors(group_tensors)
+            entry = None if flight is None else flight.started(op, step, flat)
             work = dist.broadcast(flat, src=src, group=group, async_op=True)
             _wait_bounded(work, timeout_s)
+            if entry is not None:
+                flight.finished(entry)
             for t, synced in zip(group_tensors,
                                  _unflatten_dense_tensors(flat, group_tensors), strict=True):
                 t.copy_(synced)

@@ -45,7 +45,19 @@ class JoiningModel(Protocol):
 
     def will_sync_module_buffers(self) -> bool: ...
     def sync_buffers(self, src: int | None = None) -> None: ...
-    def broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None: ...
+    def broadcast_module_states(self, include_buffers: bool, src: int = 0, flight: Any = None,
+                                op: str = "startup_broadcast") -> None: ...
+
+
+_ONE = torch.ones(1)
+"""What join's count all-reduces (one float per rank), for the flight recorder's sizes."""
+
+
+def _record(reducer: Any, op: str, tensor: torch.Tensor, work: Any = None) -> list | None:
+    """Record one of join's collectives in the reducer's flight recorder (if it has one)."""
+    flight = reducer.flight
+    return None if flight is None else flight.started(op, reducer.step.num_iterations, tensor,
+                                                      work)
 
 
 def find_common_rank(model: JoiningModel, candidate: bool) -> int:
@@ -54,7 +66,10 @@ def find_common_rank(model: JoiningModel, candidate: bool) -> int:
     One MAX all-reduce; ranks that are not candidates offer -1.
     """
     rank = torch.tensor([model.reducer.rank if candidate else -1], device=model.device)
+    entry = _record(model.reducer, "join_common_rank_all_reduce", rank)
     dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=model.process_group)
+    if entry is not None:
+        model.reducer.flight.finished(entry)
     if int(rank.item()) == -1:
         raise RuntimeError("mini_ddp: join found no rank to take the authoritative model "
                            "copy from (no rank offered itself); this is a bug in mini_ddp.")
@@ -70,6 +85,8 @@ def notify_forward(model: JoiningModel) -> None:
     """
     work = Join.notify_join_context(model)
     reducer = model.reducer
+    if work is not None:  # mostly not waited for: the dump asks the work whether it is done
+        _record(reducer, "join_notify_all_reduce", _ONE, work)
     reducer.div_factor = reducer.world_size
     if work is not None and not model.divide_by_initial_world_size:
         work.wait()
@@ -85,9 +102,13 @@ def announce_backward_sync(model: JoiningModel, joined: bool) -> bool | None:
     flag = torch.ones(1, device=model.device) if not joined and \
         model.require_backward_grad_sync else torch.zeros(1, device=model.device)
     work = dist.all_reduce(flag, group=model.process_group, async_op=True)
+    entry = _record(model.reducer, "join_sync_flag_all_reduce", flag,
+                    None if joined else work)
     if not joined:
         return None
     work.wait()
+    if entry is not None:
+        model.reducer.flight.finished(entry)
     return bool(flag.item() != 0)
 
 
@@ -95,7 +116,8 @@ def sync_final_model(model: JoiningModel, is_last_joiner: bool) -> None:
     """Every rank takes the parameters (and buffers) of the last rank to join; ties go to
     the highest rank, as DDP breaks them."""
     src = find_common_rank(model, candidate=is_last_joiner)
-    model.broadcast_module_states(include_buffers=model.config.forward_sync_buffers, src=src)
+    model.broadcast_module_states(include_buffers=model.config.forward_sync_buffers, src=src,
+                                  op="join_final_broadcast")
 
 
 def shadow_backward(reducer: Any) -> None:
@@ -105,16 +127,20 @@ def shadow_backward(reducer: Any) -> None:
     through the comm-hook door, then the unused-parameter map — and waits, as DDP's join
     hook does. Zeros add nothing to the other ranks' sums.
     """
-    buckets = reducer.layout.buckets
+    buckets, flight, step = reducer.layout.buckets, reducer.flight, reducer.step.num_iterations
     pending = []
     for bucket in buckets:
         zeros = GradBucket.of(bucket, len(buckets), torch.zeros_like(bucket.buffer))
+        if flight is not None:  # numbered as the others' launches of the same buckets
+            flight.launched(step, bucket)
         pending.append((bucket, launch_hook(reducer.comm_hook, reducer.comm_hook_state,
                                             reducer.group, zeros)))
     for bucket, future in pending:
         reducer.wait(future, bucket)  # the reducer's deadline and error naming
+        if flight is not None:
+            flight.completed(bucket.index)
     if reducer.unused_search.dynamic:
-        reducer.wait(reducer.unused_search.shadow_map_reduce(), None)
+        reducer.unused_search.shadow_map_reduce(reducer.wait, flight, step)
     # Rebuild with the others before the next forward: DDP pushes every parameter.
     reducer.layout.record_all()
 
@@ -130,6 +156,12 @@ class DataParallelJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Shadow one training iteration's collectives (DDP's ``_DDPJoinHook.main_hook``)."""
         model = self.model
+        # Join's loop has just all-reduced its count with the others' notification of their
+        # forward (notify_forward): recorded here, where this rank sees it, in the same place.
+        # (Assumes the model is the join's first Joinable, the one that notifies.)
+        entry = _record(model.reducer, "join_notify_all_reduce", _ONE)
+        if entry is not None:
+            model.reducer.flight.finished(entry)
         model.reducer.rebuild_buckets_if_needed()  # the one-time rebuild broadcasts a layout
         if model.will_sync_module_buffers():
             model.sync_buffers(src=find_common_rank(model, candidate=False))

@@ -64,7 +64,7 @@ from mini_ddp.engine.mixed_precision import (
 )
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.reducer import Reducer
-from mini_ddp.engine.stall import StallMonitor
+from mini_ddp.engine.stall import FlightLog, StallMonitor
 from mini_ddp.engine.torch_api import (
     MODEL_REFUSAL,
     TORCH_INTERNALS,
@@ -217,16 +217,20 @@ class DataParallelModel(DistributedDataParallel):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
 
+        # The flight recorder (kept with the stall warning) starts before the start-up
+        # broadcast, so that broadcast is its first entry on every rank.
+        flight = None if self.config.stall_warning_s is None \
+            else FlightLog.of_group(self.process_group)
         if init_sync:
             verify_params_across_ranks(named, self.process_group)
-            self.broadcast_module_states(include_buffers=init_bufs)
+            self.broadcast_module_states(include_buffers=init_bufs, flight=flight)
         self.transport = None
         if self.config.shared_memory_allreduce and self.device_type == "cpu":
             # Collective on the default group when it has two Gloo ranks; None otherwise.
             self.transport = SharedMemoryAllreduce.create(self.process_group)
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)
-        self._attach_reducer(named)
+        self._attach_reducer(named, flight=flight)
         if self._use_python_reducer:  # our reducer's hooks go: torch's C++ ones do nothing
             self.reducer.remove_autograd_hooks()
             configure_inductor(self.config.bucket_bytes_cap)
@@ -246,18 +250,23 @@ class DataParallelModel(DistributedDataParallel):
                 self.reducer.autograd_hook), allreduce_and_upcast_hook)
 
     def _attach_reducer(self, named: list[tuple[str, nn.Parameter]],
-                        comm_hook: tuple[CommHook, object] | None = None) -> None:
+                        comm_hook: tuple[CommHook, object] | None = None,
+                        flight: FlightLog | None = None) -> None:
         """A fresh reducer (and what watches it) over ``named``: at construction, after
         unpickling, and when ``_set_static_graph`` changes how it must work.
 
         ``comm_hook`` is the registered hook (as prepared) and its state, carried over to the
         new reducer by ``_set_static_graph``; None leaves the new reducer without one, as
         after construction and unpickling (torch DDP's copy drops its hook with the reducer).
+        ``flight``: the flight recorder to keep (None: the stall monitor starts a fresh one).
         """
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
                                self.process_group, self.config, self.transport)
         self.reducer.runtime_log = self._runtime_log
         self._runtime_log.use_device([p.device for _, p in named])
+        if flight is not None and self.config.stall_warning_s is not None:
+            self.reducer.flight = flight
+            flight.watch(self.reducer)
         self.stall_monitor = None if self.config.stall_warning_s is None else StallMonitor(
             self.reducer, self.process_group, self.config.stall_warning_s).install()
         self._delay_all_reduce_enqueued = False
@@ -267,17 +276,26 @@ class DataParallelModel(DistributedDataParallel):
             self.reducer.comm_hook, self.reducer.comm_hook_state = comm_hook
 
     # ==== start-up sync =======================================================================
-    def broadcast_module_states(self, include_buffers: bool, src: int = 0) -> None:
-        """Broadcast parameters (and buffers) from group rank ``src`` (start-up, join's end)."""
+    def broadcast_module_states(self, include_buffers: bool, src: int = 0,
+                                flight: FlightLog | None = None,
+                                op: str = "startup_broadcast") -> None:
+        """Broadcast parameters (and buffers) from group rank ``src`` (start-up, join's end).
+
+        Recorded as ``op`` in ``flight``, else in the reducer's flight recorder (if any).
+        """
         states = [p for n, p in self.module.named_parameters() if n not in
                   self.parameters_to_ignore]
         if include_buffers:
             states += [b for n, b in self.module.named_buffers() if n not in
                        self.parameters_to_ignore]
+        reducer = getattr(self, "reducer", None)  # None at start-up: built after this
+        if flight is None and reducer is not None:
+            flight = reducer.flight
+        step = 0 if reducer is None else reducer.step.num_iterations
         with naming_collective(dist.get_rank(self.process_group),
                                "the start-up broadcast of rank 0's parameters and buffers"):
             dist_broadcast_coalesced(states, src=dist.get_global_rank(self.process_group, src),
-                                     group=self.process_group)
+                                     group=self.process_group, flight=flight, op=op, step=step)
 
     # ==== forward: torch DDP's three steps, under torch DDP's names ===========================
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -352,6 +370,13 @@ class DataParallelModel(DistributedDataParallel):
         DistributedDataParallel._active_ddp_module = self
         try:
             return self.module(*inputs, **kwargs)
+        except BaseException:
+            # The module raised: no backward of this forward can come, so the reducer stops
+            # treating one as running (torch DDP: prepare_for_backward never runs, and hooks
+            # until the next forward are ignored). A bare raise: the exception goes on as the
+            # module raised it (same object, traceback, nothing chained).
+            self.reducer.forward_running(False)
+            raise
         finally:
             DistributedDataParallel._active_ddp_module = previous
 
@@ -413,7 +438,9 @@ class DataParallelModel(DistributedDataParallel):
             # Bounded only by a user's sync_timeout_s: torch DDP never blocks the host here.
             dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group,
-                                     timeout_s=self.config.buffer_sync_timeout_s)
+                                     timeout_s=self.config.buffer_sync_timeout_s,
+                                     flight=self.reducer.flight, op="buffers_broadcast",
+                                     step=self.reducer.step.num_iterations)
 
     # ---- torch DDP's names for the buffer broadcast ----------------------------------------
     @property
@@ -608,7 +635,7 @@ class DataParallelModel(DistributedDataParallel):
         hook = None if self._comm_hook_name is None else (self.reducer.comm_hook,
                                                           self.reducer.comm_hook_state)
         self._attach_reducer(list(zip(self.reducer.names, self.reducer.params, strict=True)),
-                             comm_hook=hook)
+                             comm_hook=hook, flight=self.reducer.flight)
         if self.find_unused_parameters:
             warnings.warn(STATIC_AND_FIND_UNUSED, stacklevel=2)
 

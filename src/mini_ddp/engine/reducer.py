@@ -76,6 +76,9 @@ from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmError
 from mini_ddp.transport.wait import wait_done
 
 OnStall = Callable[[Any, "bucketing.Bucket | None", "BaseException | None"], None]
+OnTimeout = Callable[[Any, "bucketing.Bucket | None"], "tuple[str, dict[str, Any]]"]
+NOT_ASKED = ("  The late ranks were not asked where they are: no stall monitor runs "
+             "(stall_warning_s=None), so no rank has a stack responder.")
 
 
 class UnarmedBackwardError(MiniDDPError):
@@ -91,6 +94,27 @@ class UnarmedBackwardError(MiniDDPError):
             "backward (as torch DDP requires and PyTorch Lightning does through "
             "isinstance(model, DistributedDataParallel)), run backward after the forward "
             "returns, or run the forward inside model.no_sync() to accumulate locally.")
+
+
+UNDEFINED_BUT_USED = ("Encountered gradient which is undefined, but still allreduced by DDP "
+                      "reducer. This indicates a bug in DDP implementation, please report a bug "
+                      "with a repro to PyTorch.")
+
+
+class UndefinedButUsedError(MiniDDPError):
+    """A parameter without a gradient is marked ready while the used map counts it as used."""
+
+    def __init__(self, rank: int, name: str, index: int):
+        self.rank, self.name, self.index = rank, name, index
+        # torch's reducer checks the same in mark_variable_ready_dense (a RuntimeError with
+        # this sentence): summing zeros for it would overwrite its .grad on every rank.
+        super().__init__(
+            f"{UNDEFINED_BUT_USED} (mini_ddp: parameter '{name}' (index {index}) has no "
+            f"gradient in this synchronised backward on rank {rank}, but the used map still "
+            "counts it as used: a backward that synchronised nothing since the last "
+            "synchronised one (inside no_sync(), or after a forward that raised) used it, and "
+            "its .grad was set to None before this step. Run a synchronised backward before "
+            "zeroing gradients with set_to_none=True, or zero them with set_to_none=False.)")
 
 
 @dataclass
@@ -231,6 +255,10 @@ class Reducer(TorchReducerAPI):
         # warning there (mini_ddp.engine.stall); mini_ddp.observe.watchdog replaces it.
         self.on_stall: OnStall | None = None
         self.stall_after_s: float | None = None
+        # The timeout seam: on_timeout(reducer, bucket) -> (lines for the GradSyncTimeout
+        # message, extra fields of the flight recorder dump), called once a wait passes
+        # sync_timeout_s. The stall monitor installs it: it asks the late ranks where they are.
+        self.on_timeout: OnTimeout | None = None
         # Two ranks on one host: big float buckets live in shared memory and are summed there.
         self.transport = transport
         self.use_transport = transport is not None  # off while Join runs (model.forward)
@@ -293,7 +321,8 @@ class Reducer(TorchReducerAPI):
         self.ensure_prior_reduction_finished()
         # Gradients the zero-copy write-back left in the old buffers move along (unless someone
         # else holds them), so later steps keep writing in place instead of copying.
-        return self.layout.rebuild_if_needed(writeback.handed_out_grads)
+        return self.layout.rebuild_if_needed(writeback.handed_out_grads, self.flight,
+                                             self.step.num_iterations)
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | torch.Tensor) -> None:
         """Arm the hooks for the backward of this forward's ``outputs`` (a tensor or a list
@@ -384,7 +413,8 @@ class Reducer(TorchReducerAPI):
             # Only a launch moves next_bucket, so only a full bucket can make it the last.
             if step.next_bucket == len(buckets):
                 if self.unused_search.dynamic:
-                    self.unused_search.launch_map_reduce(lambda: self.describe(None))
+                    self.unused_search.launch_map_reduce(lambda: self.describe(None),
+                                                         self.flight, step.num_iterations)
                 Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def copy_grad_in(self, bucket: bucketing.Bucket, position: int) -> None:
@@ -415,6 +445,9 @@ class Reducer(TorchReducerAPI):
         param, view = bucket.params[position], bucket.views[position]
         grad = param.grad
         if grad is None:
+            index = bucket.param_indices[position]
+            if self.step.tracks_used and self.unused_search.locally_used(index):
+                raise UndefinedButUsedError(self.rank, self.names[index], index)
             view.zero_()  # marked ready without a gradient: contribute zeros
             return
         batched, as_bucket_view = self.config.batched_grad_copy, self.config.gradient_as_bucket_view
@@ -508,7 +541,8 @@ class Reducer(TorchReducerAPI):
         """
         buckets = self.layout.buckets
         with self._lock:
-            self.unused_search.launch_map_reduce(lambda: self.describe(None))
+            self.unused_search.launch_map_reduce(lambda: self.describe(None), self.flight,
+                                                 self.step.num_iterations)
             self.unused_search.unused = [i for i, c in enumerate(self.step.static_hook_counts)
                                          if c == 0]
             self.step.require_finalize = True
@@ -538,10 +572,12 @@ class Reducer(TorchReducerAPI):
         slow = None if on_stall is None else lambda: on_stall(self, bucket, None)
         if not wait_done(future, self.config.sync_timeout_s, stall_after_s=self.stall_after_s,
                          on_slow=slow):
+            late, dumped = (NOT_ASKED, {}) if self.on_timeout is None \
+                else self.on_timeout(self, bucket)
             error = GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket, self.names,
-                                    len(self.layout.buckets))
+                                    len(self.layout.buckets), late=late)
             if self.flight is not None:  # what led here, for `python -m mini_ddp doctor`
-                self.flight.dump(f"GradSyncTimeout: {error}")
+                self.flight.dump(f"GradSyncTimeout: {error}", **dumped)
             raise error
         if on_stall is not None:
             try:

@@ -17,9 +17,11 @@ Every rank involved writes its flight recorder dump (:class:`FlightLog`, below),
 ``python -m mini_ddp doctor DIR``.
 
 Cost on the happy path: nothing per step — no collective, no store access; the store is used
-only once a wait has passed the limit. Installing starts the responder (one daemon thread
-blocked in one ``store.wait`` on its own connection) and the flight log (a ``deque.append``
-per bucket launch). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on this class: it
+only once a wait has passed the limit (or ``sync_timeout_s`` has:
+:meth:`StallMonitor.on_timeout` asks the late ranks too). Installing starts the responder (one
+daemon thread blocked in one ``store.wait`` on its own connection) and the flight log (a
+``deque.append`` per collective). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on
+this class: it
 leaves marks at every bucket launch (so the report can say which parameters a rank never
 produced) and can raise instead of warn.
 
@@ -45,12 +47,15 @@ asker's polls of the answer key every 50 ms until it comes (usually within one p
 A rank whose threads cannot run Python — stuck in native code that holds the GIL, or dead —
 cannot answer; :func:`ask_stacks` then says so ("did not answer within N s").
 
-**The flight recorder**: each rank's last N bucket collectives, dumped when sync goes wrong.
+**The flight recorder**: each rank's last N collectives, dumped when sync goes wrong.
 
 Every model watched by the stall warning keeps a :class:`FlightLog` on its reducer: a ring
-buffer (``collections.deque(maxlen=N)``) of the collectives the reducer launched — sequence
-number, step, bucket, bytes, when it launched and when it completed. Recording is one list and
-one ``deque.append`` per launch, and a stamp when the reducer's wait for it returns.
+buffer (``collections.deque(maxlen=N)``) of the collectives the engine launched (:data:`OPS`:
+the bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter map, the
+rebuilt bucket layout, join's collectives) — sequence number, which one, step, bucket, bytes,
+when it launched and when it completed. Recording is one list and one ``deque.append`` per
+launch, and a stamp when the engine's wait for it returns (a collective nobody waits for is
+asked at dump time).
 
 A dump writes this rank's ring, its own Python stacks and why it dumped into a directory: the
 keyword ``dump_dir`` (:func:`mini_ddp.observe.flight_recorder.flight_recorder`), else the
@@ -103,6 +108,9 @@ logger = logging.getLogger("mini_ddp")
 
 ANSWER_S = 5.0
 """How long an asker waits for a rank's stack before naming it as one that did not answer."""
+TIMEOUT_ANSWER_S = 1.0
+"""The same, for the ask of a ``GradSyncTimeout``: the deadline has already passed, and a rank
+whose responder runs answers within a poll or two."""
 MAX_FRAMES = 14
 """Innermost frames kept per thread (the outer ones are the launcher's and the harness's)."""
 _POLL_S = 0.05
@@ -328,8 +336,28 @@ TORCH_PREFIX = "mini_ddp_fr_"
 TORCH_FORMAT_VERSION = "2.10"
 """The flight-recorder format version the torch-format dumps declare (torch 2.14 reads it)."""
 
-# entry fields, kept as a list so the done-callback can stamp it in place
-SEQ, STEP, BUCKET, NBYTES, NUMEL, DTYPE, LAUNCHED, COMPLETED, STATE = range(9)
+# entry fields, kept as a list so the done-callback can stamp it in place; WORK: the work of a
+# collective nobody waits for (join's announcements), asked whether it is done at dump time
+SEQ, STEP, BUCKET, NBYTES, NUMEL, DTYPE, LAUNCHED, COMPLETED, STATE, OP, WORK = range(11)
+BUCKET_OP = "bucket_all_reduce"
+OPS = {
+    BUCKET_OP: ("all_reduce", "a bucket's all-reduce"),
+    "startup_broadcast": ("broadcast", "the start-up broadcast of rank 0's parameters and "
+                                       "buffers"),
+    "buffers_broadcast": ("broadcast", "the broadcast of the buffers before forward"),
+    "used_map_all_reduce": ("all_reduce", "the unused-parameter map all-reduce"),
+    "layout_broadcast": ("broadcast", "the broadcast of rank 0's rebuilt bucket layout"),
+    "join_notify_all_reduce": ("all_reduce", "join's count of the ranks still training"),
+    "join_sync_flag_all_reduce": ("all_reduce", "join's flag: does this backward synchronise"),
+    "join_common_rank_all_reduce": ("all_reduce", "join's choice of the authoritative rank"),
+    "join_final_broadcast": ("broadcast", "join's broadcast of the last joiner's model"),
+}
+"""Every collective the engine records: op name -> (torch's collective, the words for it).
+The bucket all-reduces, the parameter and buffer broadcasts, the used map of
+``find_unused_parameters`` / ``static_graph``, the broadcasts of the rebuilt bucket layout
+(two: its sizes, then the layout) and join's collectives. Not recorded (the same on every
+rank, so the numbering still agrees): the start-up check that every rank holds the same
+parameters, and the shared-memory transport's own synchronisation."""
 _LIVE: weakref.WeakSet[FlightLog] = weakref.WeakSet()
 _signal_installed = False
 _WRITES = itertools.count()
@@ -355,16 +383,46 @@ class FlightLog:
         self._lock = threading.RLock()
         _LIVE.add(self)
 
+    @classmethod
+    def of_group(cls, group: Any, reducer: Any = None) -> FlightLog:
+        """A log for this rank of ``group`` (None: the default group)."""
+        group = group if group is not None else dist.group.WORLD
+        return cls(dist.get_rank(group), dist.get_world_size(group),
+                   str(getattr(group, "group_name", "0")), str(dist.get_backend(group)),
+                   reducer=reducer)
+
+    def watch(self, reducer: Any) -> None:
+        """Read ``reducer``'s progress at dump time (a log made before its reducer)."""
+        self._reducer = weakref.ref(reducer)
+
     # ---- recording (the reducer's launch) -------------------------------------------------
     def launched(self, step: int, bucket: Any) -> None:
         """Record the launch of ``bucket``'s collective (state ``started``)."""
         buffer = bucket.buffer
         entry = [self.seq, step, bucket.index, bucket.nbytes, buffer.numel(), buffer.dtype,
-                 time.time_ns(), None, "started"]
+                 time.time_ns(), None, "started", BUCKET_OP, None]
         self.seq += 1
         self.step = step
         self.ring.append(entry)
         self._open[bucket.index] = entry
+
+    def started(self, op: str, step: int, tensor: Any, work: Any = None) -> list:
+        """Record the launch of one of the engine's other collectives, ``op`` (a key of
+        :data:`OPS`), on ``tensor`` (state ``started``); returns the entry for
+        :meth:`finished`. ``work``: the collective's work when nobody waits for it — asked at
+        dump time whether it has completed."""
+        numel = tensor.numel()
+        entry = [self.seq, step, None, numel * tensor.element_size(), numel, tensor.dtype,
+                 time.time_ns(), None, "started", op, work]
+        self.seq += 1
+        self.ring.append(entry)
+        return entry
+
+    @staticmethod
+    def finished(entry: list, state: str = "completed") -> None:
+        """The wait for ``entry``'s collective (from :meth:`started`) returned, or
+        (``state="failed"``) it failed: stamp the entry."""
+        entry[COMPLETED], entry[STATE], entry[WORK] = time.time_ns(), state, None
 
     def completed(self, bucket_index: int, state: str = "completed") -> None:
         """The reducer's wait for bucket ``bucket_index`` returned (or, ``state="failed"``, its
@@ -384,10 +442,15 @@ class FlightLog:
         """This rank's dump as a JSON-ready dict (``stacks`` default: taken now; ``extra``
         entries are added as they are: ``report``, the stall report's text, and ``peers``,
         ``{rank: answer}`` of the ranks it asked for their stacks)."""
-        entries = [{"seq": e[SEQ], "step": e[STEP], "bucket": e[BUCKET], "bytes": e[NBYTES],
-                    "numel": e[NUMEL], "dtype": str(e[DTYPE]).removeprefix("torch."),
-                    "launched_ns": e[LAUNCHED], "completed_ns": e[COMPLETED], "state": e[STATE]}
-                   for e in list(self.ring)]  # list(): an atomic copy
+        ring = list(self.ring)  # an atomic copy
+        for e in ring:
+            work = e[WORK]
+            if work is not None and e[STATE] == "started" and work.is_completed():
+                self.finished(e)  # discovered now, as torch's time_discovered_completed_ns
+        entries = [{"seq": e[SEQ], "op": e[OP], "step": e[STEP], "bucket": e[BUCKET],
+                    "bytes": e[NBYTES], "numel": e[NUMEL],
+                    "dtype": str(e[DTYPE]).removeprefix("torch."), "launched_ns": e[LAUNCHED],
+                    "completed_ns": e[COMPLETED], "state": e[STATE]} for e in ring]
         return {"format": "mini_ddp flight recorder", "version": 1, "rank": self.rank,
                 "world_size": self.world_size, "group": self.group_name,
                 "backend": self.backend, "host": socket.gethostname(), "pid": os.getpid(),
@@ -446,10 +509,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
 def torch_format(dump: dict[str, Any]) -> dict[str, Any]:
     """``dump`` (from :meth:`FlightLog.snapshot`) in torch's flight-recorder format.
 
-    Each bucket collective becomes an ``all_reduce`` entry of the group, its sequence number the
-    ``collective_seq_id`` (the analyser lines ranks up by it), its bucket's element count the
-    input and output size; states map to torch's (``started`` / ``completed``). What torch's
-    format has no field for (step, bucket, stacks, the stall report) stays in the JSON dump.
+    Each recorded collective becomes an entry of the group under torch's name for it
+    (``all_reduce`` for a bucket, the used map and join's counts; ``broadcast`` for the
+    parameter and buffer broadcasts: :data:`OPS`), its sequence number the
+    ``collective_seq_id`` (the analyser lines ranks up by it), its element count the input and
+    output size; states map to torch's (``started`` / ``completed``). What torch's format has
+    no field for (step, bucket, which of the engine's collectives, stacks, the stall report)
+    stays in the JSON dump.
     """
     backend = "nccl" if dump["backend"] == "nccl" else "gloo"
     group = (dump["group"], "default_pg" if dump["group"] == "0" else dump["group"])
@@ -459,7 +525,8 @@ def torch_format(dump: dict[str, Any]) -> dict[str, Any]:
         entries.append({
             "record_id": e["seq"], "pg_id": 0, "process_group": group,
             "collective_seq_id": e["seq"], "p2p_seq_id": 0, "op_id": e["seq"],
-            "profiling_name": f"{backend}:all_reduce", "time_created_ns": e["launched_ns"],
+            "profiling_name": f"{backend}:{OPS.get(e.get('op', BUCKET_OP), OPS[BUCKET_OP])[0]}",
+            "time_created_ns": e["launched_ns"],
             "input_sizes": [[e["numel"]]], "output_sizes": [[e["numel"]]],
             "input_dtypes": [_TORCH_DTYPES.get(e["dtype"], e["dtype"])],
             "output_dtypes": [_TORCH_DTYPES.get(e["dtype"], e["dtype"])],
@@ -599,9 +666,10 @@ class StallMonitor:
         group = getattr(process_group, "group_name", "default")
         self._prefix = f"mini_ddp/stall/{group}/{next(_SESSIONS)}"
         self._store = store
-        self._replaced: tuple[Any, float | None] | None = None
+        self._replaced: tuple[Any, float | None, Any] | None = None
         self._responder: StackResponder | None = None
         self.answer_s = ANSWER_S  # how long a report waits for a late rank's stack
+        self.timeout_answer_s = TIMEOUT_ANSWER_S  # the same, when sync_timeout_s has passed
 
     @property
     def reducer(self) -> Any:
@@ -621,8 +689,9 @@ class StallMonitor:
         """Start watching (idempotent); returns self."""
         r = self.reducer
         if r.on_stall != self.on_stall:
-            self._replaced = (r.on_stall, r.stall_after_s)
+            self._replaced = (r.on_stall, r.stall_after_s, getattr(r, "on_timeout", None))
             r.on_stall, r.stall_after_s = self.on_stall, self.limit_s
+            r.on_timeout = self.on_timeout
             self._start_flight_log_and_responder()
         return self
 
@@ -630,15 +699,13 @@ class StallMonitor:
         r = self.reducer
         if not hasattr(r, "layout"):
             return  # a stand-in reducer (tests of the install/remove bookkeeping)
-        if getattr(r, "flight", None) is None:
-            group = r.group if r.group is not None else dist.group.WORLD
-            r.flight = FlightLog(r.rank, r.world_size, str(getattr(group, "group_name", "0")),
-                                 str(dist.get_backend(group)), reducer=r)
-            if os.environ.get("MINI_DDP_FLIGHT_SIGNAL", "") not in ("", "0"):
-                # Opt-in: a process-wide signal is not a library's to take by default, and
-                # faulthandler.register(SIGUSR1) — how hang stacks are usually taken — is
-                # invisible to signal.getsignal, so installing would silently replace it.
-                install_dump_signal()
+        if getattr(r, "flight", None) is None:  # else made by the model, before its reducer
+            r.flight = FlightLog.of_group(r.group, reducer=r)
+        if os.environ.get("MINI_DDP_FLIGHT_SIGNAL", "") not in ("", "0"):
+            # Opt-in: a process-wide signal is not a library's to take by default, and
+            # faulthandler.register(SIGUSR1) — how hang stacks are usually taken — is
+            # invisible to signal.getsignal, so installing would silently replace it.
+            install_dump_signal()
         if self._responder is None and r.world_size > 1:
             store = self._store
             if store is None:  # a store of its own: the happy path leaves self.store unopened
@@ -654,7 +721,7 @@ class StallMonitor:
         """Stop watching; whatever watched before (the default warning, or nothing) is back."""
         r = self.reducer
         if r.on_stall == self.on_stall and self._replaced is not None:
-            r.on_stall, r.stall_after_s = self._replaced
+            r.on_stall, r.stall_after_s, r.on_timeout = self._replaced
             self._replaced = None
         if self._responder is not None:
             self._responder.stop()
@@ -706,22 +773,76 @@ class StallMonitor:
             self.diagnose(report)
             self.act(report, None)
 
+    def on_timeout(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
+        """The reducer's timeout seam: its wait passed ``sync_timeout_s`` (whether or not a
+        warning came first). Say who holds ``bucket`` up and ask them where they are now.
+
+        Returns the lines for :class:`~mini_ddp.errors.GradSyncTimeout`'s message (after its
+        own text; empty when every rank has arrived meanwhile) and the extra fields of this
+        rank's flight recorder dump (``report``, ``peers``). Bounded in wall-clock time: the
+        peers' grace to leave their marks (at most :data:`ARRIVAL_GRACE_S`), then
+        :attr:`timeout_answer_s` for the stacks — a rank that does not answer is said to, as in
+        a warning. The store is used from a thread of its own, joined with that deadline (and
+        a second more): a store call cannot be given a deadline, and a store cut off from this
+        rank (a network partition) would otherwise hold the error back for the store's own
+        timeout.
+        """
+        found: list[tuple[str, dict[str, Any]]] = []
+        worker = threading.Thread(target=lambda: found.append(self._ask_late(reducer, bucket)),
+                                  name=f"mini_ddp-timeout-ask-rank{reducer.rank}", daemon=True)
+        worker.start()
+        limit = min(self.limit_s, ARRIVAL_GRACE_S) + self.timeout_answer_s + 1.0
+        worker.join(limit)
+        if not found:
+            return (f"  The late ranks could not be asked where they are: the process group's "
+                    f"store did not answer within {limit:g} s.", {})
+        return found[0]
+
+    def _ask_late(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
+        try:
+            self.publish("waiting", launched=reducer.step.next_bucket,
+                         waiting_for=None if bucket is None else bucket.index)
+            report = self.report(bucket, None)
+            if report is None or not report.culprits:
+                return "", {}
+            self.ask(report, "timed out waiting", self.timeout_answer_s)
+        except Exception:  # noqa: BLE001 - the timeout is raised in any case, with what we have
+            logger.exception("mini_ddp: rank %d could not find the late ranks of its timeout",
+                             reducer.rank)
+            return "", {}
+        lines = ["  Ranks that had not reached it when this rank gave up:"]
+        for rank, why in sorted(report.culprits.items()):
+            lines.append(f"  rank {rank}: {why}")
+            if rank in report.stacks:
+                lines.append(describe_answer(rank, report.stacks[rank]))
+        text = "\n".join(lines)
+        return text, {"report": text, "peers": {str(rank): answer
+                                               for rank, answer in report.stacks.items()}}
+
     # ---- where the late ranks are -------------------------------------------------------------
-    def diagnose(self, report: StallReport) -> None:
-        """Ask the late ranks (at most :data:`MAX_ASKED`) for their stacks, into ``report``;
-        then dump this rank's flight log (the asked ranks dump theirs as they answer)."""
+    def ask(self, report: StallReport, waits: str = "waits",
+            answer_s: float | None = None) -> None:
+        """Ask the late ranks of ``report`` (at most :data:`MAX_ASKED`, the lowest) for their
+        stacks, into ``report.stacks``, waiting ``answer_s`` (default :attr:`answer_s`) for
+        them (each asked rank dumps its flight log as it answers)."""
         r = self.reducer
         late = sorted(report.culprits)[:MAX_ASKED]
         if late and report.error is None:
             what = "the unused-parameter map" if report.waiting_for is None \
                 else f"bucket {report.waiting_for}"
             try:
-                report.stacks = ask_stacks(self.store, late, self.answer_s, asked_by=r.rank,
-                                           why=f"rank {r.rank} waits for {what} of step "
+                report.stacks = ask_stacks(self.store, late, answer_s or self.answer_s,
+                                           asked_by=r.rank,
+                                           why=f"rank {r.rank} {waits} for {what} of step "
                                                f"{report.step}")
             except Exception:  # noqa: BLE001 - a report without stacks beats a failed wait
                 logger.exception("mini_ddp: rank %d could not ask ranks %s for their stacks",
                                  r.rank, late)
+
+    def diagnose(self, report: StallReport) -> None:
+        """Ask the late ranks for their stacks (:meth:`ask`), into ``report``; then dump this
+        rank's flight log (the asked ranks dump theirs as they answer)."""
+        self.ask(report)
         text = str(report)
         self.dump(f"stall warning: {text.splitlines()[0]}", report=text,
                   peers={str(rank): answer for rank, answer in report.stacks.items()})

@@ -73,6 +73,8 @@ class UnusedSearch:
         self.global_used: torch.Tensor | None = None  # the summed map, on the host
         self._summing: torch.Tensor | None = None  # the map being summed, on self.device
         self._future: torch.futures.Future | None = None
+        self._entry: list | None = None  # the flight recorder's entry of the map's all-reduce
+        self._flight: Any = None
 
     def search(self, accumulators: Sequence[Any], outputs: Sequence[torch.Tensor]) -> None:
         """Before a backward: find the parameters ``outputs`` cannot reach (warning once per
@@ -87,8 +89,14 @@ class UnusedSearch:
         """Parameter ``index`` received a gradient in this backward."""
         self.local_used[index] = 1
 
-    def launch_map_reduce(self, describe: Callable[[], str]) -> None:
-        """Start summing the local used map over ranks (after the last bucket's launch)."""
+    def locally_used(self, index: int) -> bool:
+        """Has this rank's map marked parameter ``index`` used since the last synced backward?"""
+        return bool(self.local_used[index] != 0)
+
+    def launch_map_reduce(self, describe: Callable[[], str], flight: Any = None,
+                          step: int = 0) -> None:
+        """Start summing the local used map over ranks (after the last bucket's launch);
+        ``flight``: the flight recorder that records it (as the map of ``step``)."""
         if self.device.type == "cpu":
             self._summing = self.local_used.clone()
         else:
@@ -98,20 +106,30 @@ class UnusedSearch:
             staged = torch.empty_like(self.local_used, pin_memory=self.device.type == "cuda")
             staged.copy_(self.local_used)
             self._summing = staged.to(self.device, non_blocking=True)
+        self._entry, self._flight = None, flight
+        if flight is not None:
+            self._entry = flight.started("used_map_all_reduce", step, self._summing)
         with naming_collective(self.rank, describe):
             work = dist.all_reduce(self._summing, group=self.group, async_op=True)
         self._future = work.get_future()
         self.global_used = None
 
-    def shadow_map_reduce(self) -> torch.futures.Future:
-        """The used-map all-reduce of a rank that has joined: zeros, same shape and device."""
+    def shadow_map_reduce(self, wait: Wait, flight: Any = None, step: int = 0) -> None:
+        """The used-map all-reduce of a rank that has joined (zeros, same shape and device),
+        waited for through ``wait`` and recorded in ``flight``."""
         zeros = torch.zeros(self.local_used.shape, dtype=self.local_used.dtype,
                             device=self.device)
-        return dist.all_reduce(zeros, group=self.group, async_op=True).get_future()
+        entry = None if flight is None else flight.started("used_map_all_reduce", step, zeros)
+        wait(dist.all_reduce(zeros, group=self.group, async_op=True).get_future(), None)
+        if entry is not None:
+            flight.finished(entry)
 
     def _collect(self, wait: Wait) -> None:
         if self.global_used is None and self._future is not None:
             wait(self._future, None)
+            if self._entry is not None:
+                self._flight.finished(self._entry)
+                self._entry = None
             # One blocking device-to-host copy, as DDP's local_used_map_.copy_(..._dev_).
             self.global_used = self._summing.cpu()
 

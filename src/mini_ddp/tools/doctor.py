@@ -1,8 +1,10 @@
 """``python -m mini_ddp doctor DIR``: line the ranks' flight recorder dumps up, say what differs.
 
-Each rank's dump (:class:`mini_ddp.engine.stall.FlightLog`) lists the bucket collectives it launched,
-numbered in launch order — the same numbers on every rank while they agree. The doctor finds
-the first collective some rank never launched ("rank 1 never launched bucket 2 of step 120"),
+Each rank's dump (:class:`mini_ddp.engine.stall.FlightLog`) lists the collectives the engine
+launched — bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter
+map, join's collectives — numbered in launch order: the same numbers on every rank while they
+agree. The doctor finds the first collective some rank never launched ("rank 1 never launched
+bucket 2 of step 120"),
 collectives launched everywhere but completed nowhere (the network, or a dead peer), two ranks
 whose same-numbered collectives differ (a desync), ranks that left no dump or did not answer
 when asked for their stacks, and shows each late rank's Python stack.
@@ -18,12 +20,24 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from mini_ddp.engine.stall import describe_answer, format_stacks
+from mini_ddp.engine.stall import BUCKET_OP, OPS, describe_answer, format_stacks
 from mini_ddp.observe.flight_recorder import read_dumps
 
 
 def _what(entry: dict[str, Any]) -> str:
-    return f"bucket {entry['bucket']} of step {entry['step']}"
+    """The collective of ``entry`` in words: "bucket 2 of step 120", "the broadcast of the
+    buffers before forward of step 120" (dumps written before ops were recorded: buckets)."""
+    op = entry.get("op", BUCKET_OP)
+    if op == BUCKET_OP:
+        return f"bucket {entry['bucket']} of step {entry['step']}"
+    return f"{OPS.get(op, (None, op))[1]} of step {entry['step']}"
+
+
+def _kind(entry: dict[str, Any]) -> tuple:
+    """What must agree between ranks for one collective: which of the engine's collectives,
+    which bucket, how many elements (not the step: under join a rank that has joined stands
+    in for the others' steps without counting them)."""
+    return entry.get("op", BUCKET_OP), entry["bucket"], entry["numel"]
 
 
 def _clock(t: float) -> str:
@@ -96,7 +110,7 @@ def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
     first_gap = None
     for seq in sorted(by_seq):
         have = by_seq[seq]
-        kinds = {(e["step"], e["bucket"], e["numel"]) for e in have.values()}
+        kinds = {_kind(e) for e in have.values()}
         if len(kinds) > 1:
             shown = "; ".join(f"rank {r}: {_what(e)} ({e['numel']} elements)"
                               for r, e in sorted(have.items()))
