@@ -36,7 +36,60 @@ def test_unused_parameter_is_named_at_the_next_forward():
         assert "forgotten.weight" in message and "forgotten.bias" in message
         assert f"rank {rank}" in message
         assert "find_unused_parameters=True" in message
+        # torch's explanation for this setting, verbatim, after its opening sentence.
+        assert "your module has parameters that were not used in producing loss." in message
         assert "used.weight" not in message.replace("unused", "")
+
+
+class UsesBOnFirstStepOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+# torch's Reducer::ensure_prior_reduction_finished: its explanation differs with the settings.
+STATIC_SENTENCE = ("This error indicates that your training graph has changed in this iteration, "
+                   "e.g., one parameter is used in first iteration, but then got unused in the "
+                   "second iteration. this is not compatible with static_graph set to True.")
+
+
+def _graph_changes_under_static_graph(ctx):
+    """The same mistake under torch DDP and DataParallelModel; return both errors."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = {}
+    for engine in (DistributedDataParallel, DataParallelModel):
+        torch.manual_seed(0)
+        model = engine(UsesBOnFirstStepOnly(), static_graph=True)
+        try:
+            for step in range(3):
+                model(torch.randn(2, 4), use_b=step == 0).sum().backward()
+            found[engine.__name__] = ("no error", "")
+        except RuntimeError as err:
+            found[engine.__name__] = (type(err).__name__, str(err))
+    return found
+
+
+def test_static_graph_whose_graph_changes_gets_torchs_explanation_and_fitting_advice():
+    for rank, found in enumerate(run_ranks(_graph_changes_under_static_graph, 2, timeout_s=60)):
+        torch_kind, torch_message = found["DistributedDataParallel"]
+        kind, message = found["DataParallelModel"]
+        assert torch_kind == "RuntimeError" and STATIC_SENTENCE in torch_message, torch_message
+        assert kind == "UnfinishedReductionError" and STATIC_SENTENCE in message, message
+        assert "b.weight" in message and f"rank {rank}" in message
+        # find_unused_parameters=True cannot fix a static graph that changes: say what can.
+        assert "drop static_graph" in message
+
+
+def test_unfinished_reduction_with_find_unused_parameters_does_not_advise_it():
+    message = str(UnfinishedReductionError(1, ["b.weight"], [2], find_unused_parameters=True))
+    assert "Since `find_unused_parameters=True` is enabled" in message  # torch's sentence
+    assert "pass find_unused_parameters=True" not in message and "b.weight" in message
 
 
 class TwiceCheckpointed(nn.Module):

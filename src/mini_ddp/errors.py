@@ -16,17 +16,42 @@ class MiniDDPError(RuntimeError):
 
 
 class UnfinishedReductionError(MiniDDPError):
-    """A forward started while the previous backward left parameters without a gradient."""
+    """A forward started while the previous backward left parameters without a gradient.
 
-    def __init__(self, rank: int, names: list[str], indices: list[int]):
+    ``static_graph`` and ``find_unused_parameters`` are the model's settings: as in torch's
+    ``Reducer::ensure_prior_reduction_finished``, they decide which explanation and advice
+    the message gives (the advice for one setting is wrong for the others).
+    """
+
+    def __init__(self, rank: int, names: list[str], indices: list[int],
+                 static_graph: bool = False, find_unused_parameters: bool = False):
         self.rank, self.names, self.indices = rank, names, indices
         listed = ", ".join(names[:20]) + (f", … ({len(names)} in all)" if len(names) > 20 else "")
+        culprits = (f"The previous backward gave no gradient to these parameters on rank {rank}: "
+                    f"{listed} (indices {indices[:20]}).")
+        # torch's sentences, verbatim (including its lower-case "this" and double space).
+        if static_graph:
+            why = ("This error indicates that your training graph has changed in this "
+                   "iteration, e.g., one parameter is used in first iteration, but then got "
+                   "unused in the second iteration. this is not compatible with static_graph "
+                   "set to True.")
+            advice = ("With static_graph=True every iteration must use the same parameters: "
+                      "if which parameters are used changes from step to step, drop "
+                      "static_graph and pass find_unused_parameters=True instead.")
+        elif find_unused_parameters:
+            why = ("Since `find_unused_parameters=True` is enabled, this likely  means that "
+                   "not all `forward` outputs participate in computing loss.")
+            advice = ("Put every forward output that depends on them into the loss (or detach "
+                      "the outputs you do not use).")
+        else:
+            why = ("This error indicates that your module has parameters that were not used "
+                   "in producing loss.")
+            advice = ("Either they were not used to compute the loss — pass "
+                      "find_unused_parameters=True to DataParallelModel — or some forward "
+                      "outputs that depend on them were left out of the loss.")
         super().__init__(
             "mini_ddp: Expected to have finished reduction in the prior iteration before "
-            "starting a new one. The previous backward gave no gradient to these parameters "
-            f"on rank {rank}: {listed} (indices {indices[:20]}). Either they were not used to "
-            "compute the loss — pass find_unused_parameters=True to DataParallelModel — or "
-            "some forward outputs that depend on them were left out of the loss.")
+            f"starting a new one. {why} {culprits} {advice}")
 
 
 class MarkedTwiceError(MiniDDPError):
