@@ -73,16 +73,58 @@ MISMATCH = {
 }
 
 
+# case -> rank -> the sentence torch DDP raises there (verbatim, from torch 2.14's C++ check);
+# where torch raises nothing (names, dtypes, rank 0's view of a shape) there is no sentence.
+TORCH_SAYS = {
+    "count": {0: "DDP expects same model across all ranks, but Rank 0 has 4 params, while "
+                 "rank 2 has inconsistent 6 params.",
+              1: "DDP expects same model across all ranks, but Rank 1 has 4 params, while "
+                 "rank 2 has inconsistent 6 params.",
+              2: "DDP expects same model across all ranks, but Rank 2 has 6 params, while "
+                 "rank 0 has inconsistent 4 params."},
+    "shape": {1: "[1]: params[0] in this process with sizes [3, 4] appears not to match sizes "
+                 "of the same param in process 0."},
+}
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", list(MISMATCH))
 def test_models_that_differ_across_ranks_are_refused_on_every_rank(construction, case):
-    messages = {results[case] for results in construction}
-    assert len(messages) == 1, messages  # the same verdict everywhere, rank 0's view included
+    for rank, results in enumerate(construction):
+        # torch's own sentence first, where torch raises on this rank; then ours.
+        torch_says, _, ours = results[case][1].partition("mini_ddp: ")
+        assert torch_says.strip() == TORCH_SAYS.get(case, {}).get(rank, ""), results[case]
+    # Our verdict is the same everywhere, rank 0's view included.
+    messages = {(kind, message.partition("mini_ddp: ")[2])
+                for kind, message in (results[case] for results in construction)}
+    assert len(messages) == 1, messages
     kind, message = messages.pop()
     assert kind == ParameterMismatchError.__name__ and issubclass(ParameterMismatchError,
                                                                   MiniDDPError)
     for words in MISMATCH[case]:
         assert words in message, message
+
+
+def _ours_then_torchs(ctx) -> dict[str, tuple[tuple[str, str], tuple[str, str]]]:
+    """Count and shape mismatches under DataParallelModel, then torch DDP (whose shape check
+    leaves rank 0 waiting in a broadcast until the collective timeout: so it runs last)."""
+    from torch.nn.parallel import DistributedDataParallel
+    models = {"count": lambda: _mlp(4, 4, 2, 2) if ctx.rank == 1 else _mlp(4, 4, 2),
+              "shape": lambda: _mlp(4, 3 if ctx.rank == 1 else 2)}
+    return {case: (_outcome(lambda m=make: DataParallelModel(m())),
+                   _outcome(lambda m=make: DistributedDataParallel(m())))
+            for case, make in models.items()}
+
+
+@pytest.mark.timeout(60)
+def test_a_mismatch_message_contains_torchs_sentence_verbatim():
+    for rank, found in enumerate(run_ranks(_ours_then_torchs, 2, timeout_s=40,
+                                           collective_timeout_s=3)):
+        for case, ((kind, message), (torch_kind, torch_message)) in found.items():
+            assert kind == ParameterMismatchError.__name__, (case, kind, message)
+            if case == "count" or rank == 1:  # where torch's own check raises
+                assert torch_kind == "RuntimeError", (case, rank, torch_kind, torch_message)
+                assert message.startswith(torch_message + " mini_ddp: "), (torch_message, message)
 
 
 @pytest.mark.timeout(180)

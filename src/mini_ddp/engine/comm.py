@@ -50,10 +50,34 @@ def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
     for rank, theirs in enumerate(everyone[1:], start=1):
         problem = _first_difference(reference, theirs, rank)
         if problem:
+            torch_says = torch_mismatch_sentence(everyone, dist.get_rank(group))
             raise ParameterMismatchError(
-                f"mini_ddp: ranks hold different models: {problem}. Every rank must build the "
+                (f"{torch_says} " if torch_says else "")
+                + f"mini_ddp: ranks hold different models: {problem}. Every rank must build the "
                 f"same model (same parameters, in the same order, with the same shapes) "
                 f"before wrapping it in DataParallelModel.")
+
+
+def torch_mismatch_sentence(everyone: list, me: int) -> str | None:
+    """The sentence torch DDP's start-up check raises on rank ``me``, or None where it does not.
+
+    ``everyone``: each rank's list of ``(name, shape, stride, ...)``. torch's C++
+    ``verify_params_across_processes`` first compares this rank's parameter count with every
+    rank's, in rank order, then each size and stride with rank 0's; rank 0 itself never fails
+    the second check, and names, dtypes and devices are not compared at all. mini_ddp raises on
+    every rank and for those too; where torch would raise, its sentence comes first, verbatim.
+    """
+    mine = everyone[me]
+    for rank, theirs in enumerate(everyone):
+        if len(theirs) != len(mine):
+            return (f"DDP expects same model across all ranks, but Rank {me} has {len(mine)} "
+                    f"params, while rank {rank} has inconsistent {len(theirs)} params.")
+    for index, (own, ref) in enumerate(zip(mine, everyone[0], strict=True)):
+        for field, position in (("sizes", 1), ("strides", 2)):
+            if own[position] != ref[position]:
+                return (f"[{me}]: params[{index}] in this process with sizes {list(own[1])} "
+                        f"appears not to match {field} of the same param in process 0.")
+    return None
 
 
 def _first_difference(reference: list, theirs: list, rank: int) -> str | None:
