@@ -130,6 +130,17 @@ def test_same_exception_type_and_torch_message_inside_ours(outcomes, case):
         assert torch_msg in our_msg, (rank, torch_msg, our_msg)
 
 
+# case -> words after torch's sentence that name the culprit
+CULPRIT = {"SyncBatchNorm on CPU": "the SyncBatchNorm layer '1' is on CPU"}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", list(CULPRIT))
+def test_our_detail_names_the_culprit(outcomes, case):
+    for per_rank in outcomes:
+        assert CULPRIT[case] in per_rank[case][1][1], per_rank[case]
+
+
 def test_wrapping_before_init_process_group_raises_like_torch() -> None:
     if dist.is_initialized():  # another test in this process left a group behind
         pytest.skip("needs a process without a default process group")

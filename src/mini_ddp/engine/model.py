@@ -858,8 +858,9 @@ def check_sync_batchnorm(module: nn.Module, device_type: str) -> None:
     """DDP refuses SyncBatchNorm on CPU at construction (its forward would fail anyway)."""
     for name, layer in module.named_modules():
         if isinstance(layer, nn.SyncBatchNorm) and device_type == "cpu":
-            raise ValueError(f"{SYNC_BN_CPU} (mini_ddp: '{name or type(module).__name__}' is "
-                             "on CPU; use nn.BatchNorm* there, or convert with "
+            where = f"layer '{name}'" if name else "module"
+            raise ValueError(f"{SYNC_BN_CPU} (mini_ddp: the SyncBatchNorm {where} is on CPU; "
+                             "use nn.BatchNorm* there, or convert with "
                              "nn.SyncBatchNorm.convert_sync_batchnorm only on GPU)")
 
 
