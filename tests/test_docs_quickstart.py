@@ -52,7 +52,9 @@ def _run_main(ctx, workdir: str) -> list[bool]:
                 "from mini_ddp import DataParallelModel", "DataParallelModel = _DDP")
             env["_DDP"] = DDP
             exec(compile(code, "docs/quickstart.md", "exec"), env)  # noqa: S102
-            results[name] = (env["model"], torch.load("ckpt.pt"))
+            # Only rank 0 writes: another rank finds no file, not a stale one (own directory).
+            assert os.path.exists("ckpt.pt") == (ctx.rank == 0)
+            results[name] = (env["model"], torch.load("ckpt.pt") if ctx.rank == 0 else {})
     finally:
         dist.init_process_group = real_init
     (mini, mini_sd), (ref, ref_sd) = results["mini"], results["torch"]
