@@ -222,7 +222,8 @@ def _our_warnings() -> list[str]:
         model = DataParallelModel(nn.Linear(3, 2), find_unused_parameters=True)
         for _ in range(3):  # once per process, as torch's TORCH_WARN_ONCE
             model(torch.randn(2, 3)).sum().backward()
-    return [str(w.message) for w in caught if NOTHING_UNUSED in str(w.message)]
+    # (message, file it points at): the caller of model(...), not the engine.
+    return [(str(w.message), w.filename) for w in caught if NOTHING_UNUSED in str(w.message)]
 
 
 def _static_no_sync_first(rank: int) -> dict[str, Any]:
@@ -311,6 +312,7 @@ def test_no_unused_parameter_warning_is_torchs_sentence_once(results):
     for r in results:
         assert NOTHING_UNUSED in r["torch warning"]  # verbatim, double space included
         assert len(r["our warnings"]) == 1, r["our warnings"]
+        assert r["our warnings"][0][1] == __file__, r["our warnings"]  # the user's forward line
 
 
 @pytest.mark.timeout(200)

@@ -18,6 +18,8 @@ and the summed map comes back once, with one blocking copy, when it is first nee
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +39,21 @@ NOTHING_UNUSED = (
     "that this warning may be a false positive if your model has flow control causing later "
     "iterations to have unused parameters.")
 _warned_nothing_unused = False
+
+# The warning is about the user's model, so it points at the user's line (the forward call),
+# not at the engine or torch's nn.Module dispatch it runs under.
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep
+                      for m in (sys.modules["mini_ddp"], torch))
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` for a warning issued in :meth:`UnusedSearch.search`: its first caller
+    outside mini_ddp and torch."""
+    frame, level = sys._getframe(2), 2  # level 1: search() itself
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
 
 Wait = Callable[[torch.futures.Future, Any], Any]
 """The reducer's bounded wait: ``wait(future, bucket_or_None)``."""
@@ -83,7 +100,7 @@ class UnusedSearch:
         self.unused = unreachable_params(accumulators, outputs)
         if not self.unused and not _warned_nothing_unused:
             _warned_nothing_unused = True
-            warnings.warn(NOTHING_UNUSED, UserWarning, stacklevel=2)
+            warnings.warn(NOTHING_UNUSED, UserWarning, stacklevel=_user_stacklevel())
 
     def mark_used(self, index: int) -> None:
         """Parameter ``index`` received a gradient in this backward."""
