@@ -6,6 +6,7 @@ on GPUs; see docs/gpus.md):
 
     python examples/train_minimal.py              # spawns its ranks itself: 2 on CPU, one per GPU
     torchrun --standalone --nproc-per-node=4 examples/train_minimal.py # or let torchrun start them
+    python -m torch.distributed.launch --nproc-per-node=2 examples/train_minimal.py  # legacy
 
 Everything is inline: joining the process group, sharding the data with a DistributedSampler,
 wrapping the model, the training loop, an evaluation that counts every test image once, and
@@ -95,6 +96,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to spawn without torchrun (default: one per GPU, or 2 on CPU)")
+    # The legacy torch.distributed.launch passes --local-rank=N (--local_rank before torch 2.0);
+    # LOCAL_RANK in the environment says the same, so the value itself is not needed.
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.world_size is None:
         args.world_size = torch.cuda.device_count() if torch.cuda.is_available() else 2

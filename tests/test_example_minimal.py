@@ -24,3 +24,14 @@ def test_train_minimal_spawns_two_ranks_and_learns():
     assert [e for e, _, _ in epochs] == [0, 1], output[-4000:]  # rank 0 alone prints
     assert epochs[1][1] < epochs[0][1], epochs  # the loss falls
     assert epochs[1][2] > 50.0, epochs          # far above chance (10%)
+
+
+def test_train_minimal_runs_under_the_legacy_launcher():
+    """torch.distributed.launch passes --local-rank=N to the script, which must accept it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2",
+                           str(ROOT / "examples" / "train_minimal.py"), "--epochs", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert [e for e, _, _ in EPOCH.findall(output)] == ["0"], output[-4000:]
