@@ -92,6 +92,38 @@ def test_unfinished_reduction_with_find_unused_parameters_does_not_advise_it():
     assert "pass find_unused_parameters=True" not in message and "b.weight" in message
 
 
+def _frozen_after_wrapping(ctx):
+    """A fine-tuning schedule freezing a layer after wrapping, under both engines."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = {}
+    for engine in (DistributedDataParallel, DataParallelModel):
+        torch.manual_seed(0)
+        model = engine(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+        try:
+            for step in range(3):
+                if step == 1:
+                    model.module[0].requires_grad_(False)
+                model(torch.randn(2, 4)).sum().backward()
+            found[engine.__name__] = ("no error", "")
+        except RuntimeError as err:
+            found[engine.__name__] = (type(err).__name__, str(err))
+    return found
+
+
+def test_a_layer_frozen_after_wrapping_is_named_as_frozen():
+    sentence = ("Expected to have finished reduction in the prior iteration before starting a "
+                "new one. This error indicates that your module has parameters that were not "
+                "used in producing loss.")
+    for found in run_ranks(_frozen_after_wrapping, 2, timeout_s=60):
+        torch_kind, torch_message = found["DistributedDataParallel"]
+        kind, message = found["DataParallelModel"]
+        assert torch_kind == "RuntimeError" and sentence in torch_message, torch_message
+        assert kind == "UnfinishedReductionError" and sentence in message, message
+        assert "0.weight, 0.bias no longer require a gradient" in message, message
+        assert "Freeze before wrapping" in message
+
+
 class TwiceCheckpointed(nn.Module):
     """One layer applied twice, each time in its own reentrant checkpoint: its gradient
     arrives twice in one backward (the case torch DDP reports as "mark a variable ready only

@@ -20,11 +20,13 @@ class UnfinishedReductionError(MiniDDPError):
 
     ``static_graph`` and ``find_unused_parameters`` are the model's settings: as in torch's
     ``Reducer::ensure_prior_reduction_finished``, they decide which explanation and advice
-    the message gives (the advice for one setting is wrong for the others).
+    the message gives (the advice for one setting is wrong for the others). ``frozen``: those
+    of ``names`` that no longer require a gradient (frozen after wrapping).
     """
 
     def __init__(self, rank: int, names: list[str], indices: list[int],
-                 static_graph: bool = False, find_unused_parameters: bool = False):
+                 static_graph: bool = False, find_unused_parameters: bool = False,
+                 frozen: list[str] | None = None):
         self.rank, self.names, self.indices = rank, names, indices
         listed = ", ".join(names[:20]) + (f", … ({len(names)} in all)" if len(names) > 20 else "")
         culprits = (f"The previous backward gave no gradient to these parameters on rank {rank}: "
@@ -49,6 +51,12 @@ class UnfinishedReductionError(MiniDDPError):
             advice = ("Either they were not used to compute the loss — pass "
                       "find_unused_parameters=True to DataParallelModel — or some forward "
                       "outputs that depend on them were left out of the loss.")
+        if frozen:
+            # Freezing after wrapping: the reducer still expects their gradients, as torch's.
+            advice = (f"{', '.join(frozen[:20])} no longer require a gradient: "
+                      "requires_grad_(False) after wrapping does not remove a parameter from "
+                      "the all-reduce. Freeze before wrapping (and wrap again to change what is "
+                      "frozen), or pass find_unused_parameters=True. " + advice)
         super().__init__(
             "mini_ddp: Expected to have finished reduction in the prior iteration before "
             f"starting a new one. {why} {culprits} {advice}")

@@ -314,9 +314,11 @@ class Reducer(TorchReducerAPI):
         if not self.step.require_finalize:
             return
         missing = self.step.missing()
-        raise UnfinishedReductionError(self.rank, [self.names[i] for i in missing], missing,
-                                       static_graph=self.config.static_graph,
-                                       find_unused_parameters=self.config.find_unused_parameters)
+        raise UnfinishedReductionError(
+            self.rank, [self.names[i] for i in missing], missing,
+            static_graph=self.config.static_graph,
+            find_unused_parameters=self.config.find_unused_parameters,
+            frozen=[self.names[i] for i in missing if not self.params[i].requires_grad])
 
     def rebuild_buckets_if_needed(self) -> bool:
         """Before a forward: check the last backward finished; rebuild buckets once."""
