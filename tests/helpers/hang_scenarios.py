@@ -6,9 +6,9 @@ warm-up steps, each scenario is one training step in which one rank is stuck som
 ``STUCK_S`` seconds while the others wait at the end of backward (``stall_warning_s=WARN_S``):
 in a data loader, in a gradient hook, in a communication hook, in a rank-0-only barrier, in
 native code holding the GIL. Each scenario dumps its flight recorder files into its own
-directory. Last, rank 1 SIGKILLs itself
-before a forward: the survivors' collective fails. In between, a ``sync_timeout_s`` shorter than
-the warning ends a wait with ``GradSyncTimeout``, whose message says where the late rank is.
+directory. Last, rank 1 SIGKILLs itself before a forward: the survivors' collective fails. In
+between, a ``sync_timeout_s`` shorter than the warning ends a wait with ``GradSyncTimeout``,
+whose message says where the late rank is.
 
 Every rank writes what it saw (the warnings and when they came, the errors) to
 ``results_rank<R>.json``: the job ends with rank 1 dead, so ``run_ranks`` raises.
