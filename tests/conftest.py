@@ -24,3 +24,6 @@ def pytest_configure(config) -> None:
     import os
     import tempfile
     os.environ.setdefault("MINI_DDP_FLIGHT_DIR", tempfile.mkdtemp(prefix="mini_ddp_flight_"))
+    # One folder for tests/helpers/hang_scenarios.py's job, named here (in the controller,
+    # before any parallel worker starts) so that every worker inherits it and the job runs once.
+    os.environ.setdefault("MINI_DDP_HANGS_DIR", tempfile.mkdtemp(prefix="mini_ddp_hangs_"))

@@ -1,13 +1,14 @@
 """One 3-rank job that hangs in every way the stall report must locate, then loses a rank.
 
 Shared by tests/test_stall_stacks.py, tests/test_flight_recorder.py and tests/test_doctor.py
-(:func:`run_hangs` runs the job once per test session). After two warm-up steps, each scenario
-is one training step in which one rank is stuck somewhere for ``STUCK_S`` seconds while the
-others wait at the end of backward (``stall_warning_s=WARN_S``): in a data loader, in a gradient
-hook, in a communication hook, in a rank-0-only barrier, in native code holding the GIL. Each
-scenario dumps its flight recorder files into its own directory. Last, rank 1 SIGKILLs itself
-before a forward: the survivors' collective fails. In between, a ``sync_timeout_s`` shorter than
-the warning ends a wait with ``GradSyncTimeout``, whose message says where the late rank is.
+(:func:`run_hangs` runs the job once per test run, parallel workers included). After two
+warm-up steps, each scenario is one training step in which one rank is stuck somewhere for
+``STUCK_S`` seconds while the others wait at the end of backward (``stall_warning_s=WARN_S``):
+in a data loader, in a gradient hook, in a communication hook, in a rank-0-only barrier, in
+native code holding the GIL. Each scenario dumps its flight recorder files into its own
+directory. Last, rank 1 SIGKILLs itself before a forward: the survivors' collective fails. In
+between, a ``sync_timeout_s`` shorter than the warning ends a wait with ``GradSyncTimeout``,
+whose message says where the late rank is.
 
 Every rank writes what it saw (the warnings and when they came, the errors) to
 ``results_rank<R>.json``: the job ends with rank 1 dead, so ``run_ranks`` raises.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import fcntl
 import functools
 import gc
 import json
@@ -192,18 +194,28 @@ def _job(ctx, outdir: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _run(outdir: str) -> tuple[dict[int, dict], str]:
-    try:
-        run_ranks(_job, 3, args=(outdir,), timeout_s=150, collective_timeout_s=60)
-        failure = "no rank failed"
-    except RanksFailed as error:
-        failure = str(error)
-    results = {r: json.loads((Path(outdir) / f"results_rank{r}.json").read_text())
-               for r in range(3)}
+    # Parallel test workers share the folder (tests/conftest.py names it before they start):
+    # the first to get here runs the job under the lock, the others wait and read what it left,
+    # so the minute of deliberate stalls is spent once per test run, not once per worker.
+    folder = Path(outdir)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "job.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = folder / "harness_failure.txt"
+        if not done.exists():
+            try:
+                run_ranks(_job, 3, args=(outdir,), timeout_s=150, collective_timeout_s=60)
+                failure = "no rank failed"
+            except RanksFailed as error:
+                failure = str(error)
+            done.write_text(failure)
+        failure = done.read_text()
+    results = {r: json.loads((folder / f"results_rank{r}.json").read_text()) for r in range(3)}
     return results, failure
 
 
 def run_hangs(outdir: str | None = None) -> tuple[Path, dict[int, dict], str]:
-    """Run the job once per process (into ``$MINI_DDP_HANGS_DIR`` or a temporary folder);
+    """Run the job once per test run (into ``$MINI_DDP_HANGS_DIR`` or a temporary folder);
     returns the folder, each rank's results and the harness's failure text."""
     folder = outdir or os.environ.get("MINI_DDP_HANGS_DIR")
     if folder is None:
