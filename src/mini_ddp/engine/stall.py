@@ -215,6 +215,8 @@ class StackResponder:
 
 _RESPONDERS: weakref.WeakSet[StackResponder] = weakref.WeakSet()
 _THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_LAST_SERVE_END = [float("-inf")]  # monotonic time a responder thread last left _serve
+_THREAD_SETTLE_S = 0.25
 
 
 @atexit.register
@@ -232,6 +234,12 @@ def _join_responders_at_exit() -> None:
         responder.stop()
     for thread in list(_THREADS):
         thread.join(timeout=2.0)
+    # A joined thread has left Python, not yet its OS thread: C++ thread-local state (the
+    # store client's) is torn down after that. Exiting meanwhile runs static destructors under
+    # it and aborts the same way; a responder that ended moments ago gets that moment.
+    settle = _THREAD_SETTLE_S - (time.monotonic() - _LAST_SERVE_END[0])
+    if settle > 0:
+        time.sleep(settle)
 
 
 def start_responder(store: Any, rank: int, owner: Any,
@@ -250,6 +258,13 @@ def start_responder(store: Any, rank: int, owner: Any,
 
 
 def _serve(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
+    try:
+        _serve_requests(store, rank, stop, callback)
+    finally:
+        _LAST_SERVE_END[0] = time.monotonic()
+
+
+def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
     ask, count, answer = f"ask/{rank}", f"asked/{rank}", f"stack/{rank}"
     while not stop.is_set():
         started = time.monotonic()
