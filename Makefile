@@ -23,10 +23,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
 	# The floor first, so the whole suite's summary is the last line of the run.
-	# --dist loadfile: a module's tests stay on one worker, so each module-scoped fixture (one
-	# shared multi-rank or torchrun run per module) runs once, not once per worker.
 	$(MAKE) test-floor
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --timeout=600 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
@@ -50,4 +48,4 @@ $(FLOOR_VENV)/.installed:
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed
-	PYTHONPATH=$(CURDIR)/src OMP_NUM_THREADS=1 $(FLOOR_VENV)/bin/python -m pytest -q -n 2 --dist loadfile --timeout=600 $(FLOOR_TESTS)
+	PYTHONPATH=$(CURDIR)/src OMP_NUM_THREADS=1 $(FLOOR_VENV)/bin/python -m pytest -q -n 2 --timeout=600 $(FLOOR_TESTS)
