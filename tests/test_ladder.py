@@ -81,6 +81,23 @@ def test_why_the_naive_rung_differs(capsys):
     assert reports["overlapped"]["diagnosis"] is None
 
 
+def test_the_diagnosis_names_each_cause_only_when_it_explains_every_element():
+    """Three ranks' local gradients, and a rung's average made each way, against DDP's."""
+    local = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3))
+    ddp = (local[1] * (1 / 3) + local[2] * (1 / 3)) + local[0] * (1 / 3)  # one ring order
+    made = {"after_sum": ((local[1] + local[2]) + local[0]) / 3,
+            "order": (local[0] * (1 / 3) + local[1] * (1 / 3)) + local[2] * (1 / 3),
+            "both": ((local[0] + local[1]) + local[2]) / 3,
+            "other": ddp + torch.full_like(ddp, 1e-3)}
+    for cause, grad in made.items():
+        ref, ours = nn.Parameter(torch.zeros(1000)), nn.Parameter(torch.zeros(1000))
+        ref.grad, ours.grad = ddp.clone(), grad
+        assert not torch.equal(ddp, grad)
+        got = ladder_cli.diagnose([local], [(ref, ours)], 3)
+        assert got == {"cause": cause, "unexplained": 0 if cause != "other" else
+                       int((grad != ddp).sum())}, (cause, got)
+
+
 def _report(*differing: int, error: str = "") -> dict:
     return {"steps": [{"differing": d, "elements": 10, "params_equal": not d,
                        "max_abs_diff": 0.0} for d in differing], "error": error,

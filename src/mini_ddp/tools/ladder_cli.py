@@ -262,7 +262,7 @@ def diagnose(local_grads: list[torch.Tensor | None], pairs: list[tuple[nn.Parame
     gradient over a ring's summation orders (:func:`ring_sums`): ``after_sum`` — a sum divided
     by the world size, in an order that gives DDP's value when scaled first; ``order`` — DDP's
     multiply-by-1/world_size-then-sum in some order; ``both`` — a sum divided afterwards, in
-    some order. ``unexplained``: the differing elements the cause leaves out."""
+    some order. ``unexplained``: the differing elements, when none of them explains all."""
     matches = {cause: 0 for cause in CAUSES}
     differing = 0
     for stacked, (ref, ours) in zip(local_grads, pairs, strict=True):
@@ -282,8 +282,7 @@ def diagnose(local_grads: list[torch.Tensor | None], pairs: list[tuple[nn.Parame
         matches["both"] += int((differ & (divided == ours.grad).any(0)).sum())
     cause = next((c for c in ("after_sum", "order", "both") if matches[c] == differing),
                  "other")
-    return {"cause": cause, "unexplained": differing - matches.get(cause, 0)
-            if cause != "other" else differing}
+    return {"cause": cause, "unexplained": differing if cause == "other" else 0}
 
 
 def diagnosis_text(diagnosis: dict) -> str:
@@ -347,6 +346,8 @@ def format_report(reports: dict[str, dict], title: str) -> str:
             reason = rep["error"] or "bitwise equal: " + RUNGS[rung][2]
         elif rep.get("diagnosis"):  # what the numbers show, not what the rung's code says
             reason = diagnosis_text(rep["diagnosis"])
+        elif any(s["differing"] for s in rep["steps"]):  # first differed after drifting
+            reason = "gradients differ only after the parameters did"
         else:
             reason = "parameters differ, gradients equal"
         lines.append(f"{rung:<19}{cells}   {reason}")
