@@ -67,6 +67,7 @@ def test_why_the_naive_rung_differs(capsys):
         print("\n" + format_report(reports, "why"))
     first = {rung: r["steps"][0]["differing"] for rung, r in reports.items()}
     assert first["naive"] > first["scale_first_naive"] > 0  # scaling: most, not all
+    assert first["naive"] - first["scale_first_naive"] > first["scale_first_naive"]
     assert first["bucketed"] == first["never_rebuilt"] == 0   # DDP's iteration-1 layout
     second = reports["never_rebuilt"]["steps"][1]["differing"]
     assert second > 0  # ... not its rebuilt one
