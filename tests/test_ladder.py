@@ -640,12 +640,9 @@ def test_the_ladder_explains_torch_ddps_nothing_unused_warning_instead_of_printi
     """Rung 4's reference (torch DDP, find_unused_parameters=True) on the zoo MLP, which uses
     every parameter: torch's reducer writes its C++ warning to each rank's stderr; the command
     holds it back and prints its own note."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                          os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "mini_ddp", "ladder", "--model", "mlp",
                            "--world-size", "2", "--steps", "1", "--rungs",
-                           "unused_and_no_sync"], env=env, capture_output=True, text=True,
+                           "unused_and_no_sync"], env=_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     start = NOTHING_UNUSED.split(". ")[0]
