@@ -34,6 +34,7 @@ JOBS = {
     "detail": ("one_rank_collective", False, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
     "clean": ("none", None, {}),
     "clean_debug": ("none", True, {}),
+    "uneven_joined": ("uneven_joined", True, {}),  # the fix: no error, no warning
 }
 
 
@@ -138,7 +139,7 @@ def test_a_bypassed_wrapper_is_named_on_its_rank_and_by_the_waiting_one(told):
     assert "rank 1 reported:" in rank0["error"]
 
 
-@pytest.mark.parametrize("name", ["clean", "clean_debug"])
+@pytest.mark.parametrize("name", ["clean", "clean_debug", "uneven_joined"])
 def test_a_clean_run_is_told_nothing(told, name):
     for rank in (0, 1):
         result = _rank(told, name, rank)

@@ -11,6 +11,7 @@ measured).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from torch import nn
 
 from mini_ddp import DataParallelModel
 
-BUGS = ("none", "uneven", "eval_forward", "eval_forward_no_grad", "one_rank_collective", "same_data",
+BUGS = ("none", "uneven", "uneven_joined", "eval_forward", "eval_forward_no_grad", "one_rank_collective", "same_data",
         "load_on_one_rank", "param_added", "eval_mode", "nan", "bypass")
 STEPS = 4
 WARN_S = 1.5  # the stall warning (and the debug check's warning)
@@ -44,7 +45,7 @@ def batches(rank: int, bug: str) -> list[torch.Tensor]:
     """This rank's batches: its own shard (one rank has one more under "uneven"), or the same
     batches on every rank under "same_data"."""
     gen = torch.Generator().manual_seed(0 if bug == "same_data" else 100 + rank)
-    count = STEPS + (1 if bug == "uneven" and rank == 0 else 0)
+    count = STEPS + (1 if bug.startswith("uneven") and rank == 0 else 0)
     data = [torch.randn(6, 8, generator=gen) for _ in range(count)]
     if bug == "nan" and rank == 1:
         data[2][0, 0] = float("nan")  # one bad sample on rank 1, in step 3
@@ -80,6 +81,16 @@ def train(rank: int, bug: str, engine: str, debug: bool | None) -> None:
     if bug == "param_added":
         model.module.extra = nn.Parameter(torch.zeros(2))  # after wrapping: never synced
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # The fix of "uneven": the loop inside join() (torch's Join context for uneven inputs).
+    with model.join() if bug == "uneven_joined" else contextlib.nullcontext():
+        loss = steps(model, rank, bug, group, opt)
+    metric = loss.detach().reshape(1)
+    dist.all_reduce(metric, group=group)  # both ranks, after the loop: the epoch's loss
+
+
+def steps(model: nn.Module, rank: int, bug: str, group: dist.ProcessGroup | None,
+          opt: torch.optim.Optimizer) -> torch.Tensor:
+    """The training loop (with the mistake of ``bug``); returns the last loss."""
     for step, x in enumerate(batches(rank, bug), start=1):
         net = model.module if bug == "bypass" and rank == 1 else model
         out = net(x)
@@ -99,8 +110,7 @@ def train(rank: int, bug: str, engine: str, debug: bool | None) -> None:
         if bug == "one_rank_collective" and rank == 0 and step % 2 == 0:
             metric = loss.detach().clone()
             dist.all_reduce(metric, group=group)  # a logging metric, all-reduced on rank 0 only
-    metric = loss.detach().reshape(1)
-    dist.all_reduce(metric, group=group)  # both ranks, after the loop: the epoch's loss
+    return loss
 
 
 def run_bug(ctx, bug: str, engine: str, debug: bool | None = None) -> dict:

@@ -84,12 +84,16 @@ class SyncChecks:
         return found
 
     def before_collectives(self, grad_enabled: bool, synced: bool, broadcast: bool,
-                           step: int) -> None:
-        """Debug switch: a forward is about to run its collectives (if any)."""
+                           step: int, joining: bool = False) -> None:
+        """Debug switch: a forward is about to run its collectives (if any). Inside
+        ``join()`` the fingerprints pause: a joined rank shadows the others' collectives
+        without running their forwards, so uneven steps are what the ranks agreed on."""
         if self.watch is not None and grad_enabled:
             self.watch.forward_seen()
         if self.fingerprints is not None:
-            self.fingerprints.forward(grad_enabled, synced, broadcast, step)
+            self.fingerprints.paused = joining
+            if not joining:
+                self.fingerprints.forward(grad_enabled, synced, broadcast, step)
 
     def after_buffer_sync(self, step: int, buffers_synced: bool) -> None:
         """A synchronised forward ``step`` has broadcast its buffers (or had none to)."""

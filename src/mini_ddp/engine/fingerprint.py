@@ -159,6 +159,7 @@ class Fingerprints:
         self.timeout_s = timeout_s
         self.ask = ask
         self.seq = 0
+        self.paused = False  # inside join(): see SyncChecks.before_collectives
         self._history: list[dict] = []
         self.verdicts: Callable[[], dict[int, str]] = lambda: {}
 
@@ -171,6 +172,8 @@ class Fingerprints:
 
     def backward(self, step: int) -> None:
         """Before a synchronised backward's first bucket all-reduce."""
+        if self.paused:
+            return
         self.check({"kind": "backward", "step": step, "grad": True, "synced": True,
                     "broadcast": False, "where": ""})
 

@@ -352,7 +352,8 @@ class DataParallelModel(DistributedDataParallel):
                                       self.require_backward_grad_sync,
                                       self.will_sync_module_buffers(),
                                       self.reducer.step.num_iterations + (
-                                          grad_enabled and self.require_backward_grad_sync))
+                                          grad_enabled and self.require_backward_grad_sync),
+                                      joining=self._join_config.enable)
         if grad_enabled and self.require_backward_grad_sync:
             reducer = self.reducer
             self._runtime_log.forward_started(reducer.step.num_iterations,
