@@ -39,13 +39,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mini_ddp.errors import MiniDDPError
 
 logger = logging.getLogger("mini_ddp")
 
+# Frames of these two are not the user's line (the forward's caller, a collective's caller).
 _PACKAGE = str(Path(__file__).resolve().parents[1])
-_TORCH = str(Path(sys.modules["torch"].__file__).resolve().parent) if "torch" in sys.modules \
-    else "/torch/"
+_TORCH = str(Path(torch.__file__).resolve().parent)
 _COLLECTIVES = {"all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
                 "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
                 "all_to_all", "all_to_all_single", "all_gather_object", "broadcast_object_list",
@@ -148,16 +150,20 @@ class Fingerprints:
     """One model's fingerprints on ``board`` (see the module docstring).
 
     ``ask(ranks) -> {rank: answer}`` asks late peers for their stacks (None: nobody can be
-    asked); ``peer_state(rank)`` gives a peer's last known state (its last fingerprint here).
+    asked); ``last_state(rank) -> dict | None`` gives a peer's last known state, a dict with at
+    least ``step`` (and ``kind``/``where`` for :func:`describe`): by default its last
+    fingerprint on the board; any record of where each rank got to can stand in.
     """
 
     def __init__(self, model: Any, board: Any, warn_s: float | None, timeout_s: float | None,
-                 ask: Callable[[list[int]], dict[int, Any]] | None = None):
+                 ask: Callable[[list[int]], dict[int, Any]] | None = None,
+                 last_state: Callable[[int], dict | None] | None = None):
         self._model = weakref.ref(model)
         self.board = board
         self.warn_s = warn_s
         self.timeout_s = timeout_s
         self.ask = ask
+        self._last_state = last_state
         self.seq = 0
         self.paused = False  # inside join(): see SyncChecks.before_collectives
         self._history: list[dict] = []
@@ -178,7 +184,9 @@ class Fingerprints:
                     "broadcast": False, "where": ""})
 
     def peer_state(self, rank: int) -> dict | None:
-        """``rank``'s last fingerprint (None: it posted none)."""
+        """``rank``'s last known state (default: its last fingerprint; None: none yet)."""
+        if self._last_state is not None:
+            return self._last_state(rank)
         return self.board.read("last", rank)
 
     def check(self, fp: dict[str, Any]) -> None:
@@ -231,7 +239,8 @@ class Fingerprints:
                 continue
             last = self.peer_state(rank)
             state = "it posted no fingerprint yet (it never ran a forward through the wrapper)" \
-                if last is None else f"its last was {describe(last)}"
+                if last is None else f"its last was {describe(last)}" if "kind" in last \
+                else f"its last known state: step {last.get('step')} ({last.get('state', '?')})"
             lines.append(f"  rank {rank}: {state}.")
             elsewhere = stuck_in_collective(answers.get(rank, {}))
             if elsewhere:

@@ -111,6 +111,8 @@ class GradWatch:
     # ---- the bypassed wrapper, and the backward's fingerprint ------------------------------
     def accumulated(self, index: int) -> None:
         """Autograd accumulated a parameter's ``.grad`` (once per parameter and backward)."""
+        # One id per backward (autograd "graph task"): the first parameter of each backward
+        # decides; torch.autograd.grad never accumulates into .grad, so it never gets here.
         task = torch._C._current_graph_task_id()
         if task == self._task:
             return
