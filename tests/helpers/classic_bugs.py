@@ -84,6 +84,8 @@ def train(rank: int, bug: str, engine: str, debug: bool | None) -> None:
     # The fix of "uneven": the loop inside join() (torch's Join context for uneven inputs).
     with model.join() if bug == "uneven_joined" else contextlib.nullcontext():
         loss = steps(model, rank, bug, group, opt)
+    if bug == "uneven_joined":  # the next epoch, even: the ranks' step counts now differ by one
+        loss = steps(model, rank, "none", group, opt)
     metric = loss.detach().reshape(1)
     dist.all_reduce(metric, group=group)  # both ranks, after the loop: the epoch's loss
 

@@ -85,9 +85,10 @@ class SyncChecks:
 
     def before_collectives(self, grad_enabled: bool, synced: bool, broadcast: bool,
                            step: int, joining: bool = False) -> None:
-        """Debug switch: a forward is about to run its collectives (if any). Inside
-        ``join()`` the fingerprints pause: a joined rank shadows the others' collectives
-        without running their forwards, so uneven steps are what the ranks agreed on."""
+        """Debug switch: a forward is about to run its collectives (if any). ``joining``:
+        the model has been inside ``join()`` (torch's ``Join`` leaves the model's join config
+        enabled after the context): the fingerprints pause for good — a joined rank shadows
+        the others' collectives without their forwards, and counts no steps."""
         if self.watch is not None and grad_enabled:
             self.watch.forward_seen()
         if self.fingerprints is not None:
@@ -95,8 +96,16 @@ class SyncChecks:
             if not joining:
                 self.fingerprints.forward(grad_enabled, synced, broadcast, step)
 
-    def after_buffer_sync(self, step: int, buffers_synced: bool) -> None:
-        """A synchronised forward ``step`` has broadcast its buffers (or had none to)."""
+    def after_buffer_sync(self, step: int, buffers_synced: bool, joining: bool = False
+                          ) -> None:
+        """A synchronised forward ``step`` has broadcast its buffers (or had none to).
+
+        Once ``join()`` has run, the ranks' step counts may differ for good (a joined rank
+        counts no steps while it shadows the others): the replica check, which pairs records
+        by step, stops."""
+        if joining and self.replicas is not None:
+            self.replicas.remove()
+            self.replicas = None
         if self.replicas is not None:
             self.replicas.before_forward(step, buffers_synced)
         if self.watch is not None:

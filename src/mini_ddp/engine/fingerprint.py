@@ -165,7 +165,7 @@ class Fingerprints:
         self.ask = ask
         self._last_state = last_state
         self.seq = 0
-        self.paused = False  # inside join(): see SyncChecks.before_collectives
+        self.paused = False  # once join() has run: see SyncChecks.before_collectives
         self._history: list[dict] = []
         self.verdicts: Callable[[], dict[int, str]] = lambda: {}
 

@@ -368,7 +368,8 @@ class DataParallelModel(DistributedDataParallel):
         if broadcast:
             self.sync_buffers()
         if checks is not None and grad_enabled and self.require_backward_grad_sync:
-            checks.after_buffer_sync(self.reducer.step.num_iterations, broadcast)
+            checks.after_buffer_sync(self.reducer.step.num_iterations, broadcast,
+                                     joining=self._join_config.enable)
         # Join's shadow all-reduces go through Gloo: so does every rank's backward meanwhile.
         self.reducer.use_transport = self.transport is not None and not self._join_config.enable
         if self._join_config.enable:
