@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from docs_snippets import error_entries
+from helpers import classic_bugs
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
@@ -36,6 +37,7 @@ from mini_ddp import (
     run_ranks,
 )
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
+from mini_ddp.errors import TORCH_MISMATCH, naming_collective
 from mini_ddp.ladder.naive import NaiveDataParallel
 from mini_ddp.observe.flight_recorder import flight_recorder
 from mini_ddp.tools import bench_models, parity
@@ -339,7 +341,18 @@ IN_PROCESS: dict[str, Callable[[], object]] = {
 }
 
 # Errors of helpers that need no process group.
+def _detail_verdict() -> None:
+    """torch's DETAIL verdict, as its ProcessGroupWrapper words it, inside one of mini_ddp's
+    collectives (tests/test_debugging.py provokes the real one)."""
+    with naming_collective(1, "the broadcast of rank 0's 3 buffers before forward"):
+        raise RuntimeError(f"{TORCH_MISMATCH} Rank 1 is running collective: "
+                           "CollectiveFingerPrint(SequenceNumber=13, OpType=BROADCAST, "
+                           "TensorShape=[32], TensorDtypes=Float), but Rank 0 is running "
+                           "collective: CollectiveFingerPrint(SequenceNumber=0OpType=GATHER).")
+
+
 NO_GROUP: dict[str, Callable[[], object]] = {
+    "torch's DETAIL check found different collectives": _detail_verdict,
     "`run_ranks`: a rank failed": lambda: run_ranks(_failing_rank, 1, timeout_s=60),
     "`mini_ddp.transport.local_comm` arguments": lambda: local_comm.gather([], "cpu"),
     "Sparse tensors to `local_comm` on CPU": lambda: local_comm.broadcast_coalesced(
@@ -413,6 +426,14 @@ def _desync(ctx) -> str:
     return f"{type(err).__name__}|{err}"
 
 
+def _classic(ctx, bug: str, kind: str) -> str:
+    """A classic mistake of tests/helpers/classic_bugs.py under the debug switch: the error of
+    type ``kind`` (a rank told something else, e.g. Gloo's words when its peer left: "late")."""
+    error = classic_bugs.run_bug(ctx, bug, "mini", True)["error"] or ""
+    name, _, message = error.partition(": ")
+    return f"{name}|{message}" if name == kind else "late"
+
+
 def _shm(ctx, what: str) -> str:
     shm = SharedMemoryAllreduce.create()
     if what == "desync":
@@ -454,6 +475,13 @@ TWO_RANKS: dict[str, Callable] = {
     "A stall, seen by the watchdog": _stall,
     "Replicas out of sync": _desync,
 }
+# Two-rank entries of the debug checks: the classic mistake that raises each.
+CLASSIC: dict[str, str] = {
+    "The ranks are about to run different collectives": "eval_forward",
+    "A peer did not reach a collective (debug switch)": "bypass",  # rank 0: "rank 1 reported"
+    "The replica check found different models": "param_added",
+    "A training forward bypassed the wrapper": "bypass",
+}
 # Two-rank entries of the shared-memory transport: the scenario of _shm that raises each.
 SHM: dict[str, str] = {
     "Ranks out of step on the shared-memory transport": "desync",
@@ -469,7 +497,7 @@ NOT_INITIALISED = "Process group not initialised"
 
 
 def test_every_entry_has_a_trigger():
-    triggers = [*IN_PROCESS, *NO_GROUP, *TWO_RANKS, *SHM, NOT_INITIALISED]
+    triggers = [*IN_PROCESS, *NO_GROUP, *TWO_RANKS, *SHM, *CLASSIC, NOT_INITIALISED]
     assert len(triggers) == len(set(triggers))
     assert set(_entries()) == set(triggers)
 
@@ -497,11 +525,16 @@ def test_no_group_entry(title):
     assert text in str(err), f"{title}: {err}"
 
 
-@pytest.mark.parametrize("title", sorted([*TWO_RANKS, *SHM]))
-def test_two_rank_entry(title):
+@pytest.mark.parametrize("title", sorted([*TWO_RANKS, *SHM, *CLASSIC]))
+def test_two_rank_entry(title, tmp_path):
     kind, text = _entries()[title]
-    fn, args = (_shm, (SHM[title],)) if title in SHM else (TWO_RANKS[title], ())
-    for result in run_ranks(fn, 2, args=args, timeout_s=60):
+    fn, args = (_shm, (SHM[title],)) if title in SHM else \
+        (_classic, (CLASSIC[title], kind)) if title in CLASSIC else (TWO_RANKS[title], ())
+    results = run_ranks(fn, 2, args=args, timeout_s=60,
+                        env={"MINI_DDP_FLIGHT_DIR": str(tmp_path)})  # dumps of asked ranks
+    if title in CLASSIC:
+        assert set(results) != {"late"}, f"{title}: no rank raised {kind}"
+    for result in results:
         if result in ("late", "left"):
             continue
         got_kind, _, message = result.partition("|")

@@ -100,7 +100,8 @@ class GradSyncTimeout(MiniDDPError):
             f"mini_ddp: rank {rank} waited more than {timeout_s} s for {what}. Another rank "
             "is probably dead, stuck, or skipped this bucket (a parameter that got no gradient "
             "there). Raise DataParallelModel(sync_timeout_s=...) if steps are legitimately "
-            "this slow." + (f"\n{late}" if late else ""))
+            "this slow. If no rank is slow, MINI_DDP_DEBUG=1 names the usual mistakes behind "
+            "this (docs/debugging.md)." + (f"\n{late}" if late else ""))
 
 
 def describe_bucket(bucket: Any, names: list[str], num_buckets: int) -> str:
@@ -133,6 +134,31 @@ class CollectiveError(MiniDDPError):
             "torchrun --max-restarts=N) and resume from the last checkpoint.")
 
 
+TORCH_MISMATCH = "Detected mismatch between collectives on ranks."
+"""How torch's ``ProcessGroupWrapper`` (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) opens its verdict."""
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
+                          r"SequenceNumber=(\d+),? ?OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?")
+
+
+class CollectiveMismatchError(MiniDDPError):
+    """torch's DETAIL check found that the ranks run different collectives, inside one of
+    mini_ddp's: the message opens with torch's verdict, verbatim, then says what it means."""
+
+    def __init__(self, rank: int, what: str, cause: BaseException):
+        self.rank, self.what = rank, what
+        text = str(cause).strip()
+        sides = "; ".join(f"rank {r}: {op.lower()}{f' of shape {shape}' if shape else ''} "
+                          f"(collective #{seq})" for r, seq, op, shape in _FINGERPRINT.findall(text))
+        super().__init__(
+            f"{text}\nmini_ddp: rank {rank}: {what} met a different collective on another rank "
+            f"(torch's TORCH_DISTRIBUTED_DEBUG=DETAIL check{': ' + sides if sides else ''}) — "
+            "no rank died: the ranks issue different collectives. Usual causes: a forward "
+            "through DataParallelModel on one rank only (evaluate with model.module(x) under "
+            "torch.no_grad()), uneven inputs (DistributedSampler(drop_last=True), or "
+            "model.join()), a collective run on some ranks only (run it on every rank). "
+            "See docs/debugging.md.")
+
+
 @contextmanager
 def naming_collective(rank: int, what: str | Callable[[], str]) -> Iterator[None]:
     """Re-raise a backend failure inside the block as :class:`CollectiveError` naming ``what``.
@@ -147,4 +173,6 @@ def naming_collective(rank: int, what: str | Callable[[], str]) -> Iterator[None
     except MiniDDPError:
         raise
     except RuntimeError as err:  # Gloo and NCCL raise RuntimeError (or DistError subclasses)
+        if TORCH_MISMATCH in str(err):  # torch's DETAIL verdict: a desync, not a death
+            raise CollectiveMismatchError(rank, what() if callable(what) else what, err) from err
         raise CollectiveError(rank, what() if callable(what) else what, err) from err

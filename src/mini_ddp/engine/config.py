@@ -104,6 +104,18 @@ class DataParallelConfig:
     """Smaller buckets stay on Gloo: the shared-memory path costs two small Gloo syncs and a
     thread hand-off per bucket, more than Gloo needs for a few KiB."""
 
+    debug: bool = False
+    """mini_ddp's debug switch (``DataParallelModel(debug=...)``; None there reads
+    ``MINI_DDP_DEBUG=1`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): collective fingerprints and
+    the local-gradient watch name an extra forward on one rank, uneven inputs, a collective on
+    some ranks only, where a NaN came from and a bypassed wrapper; the replica check raises
+    instead of warning (:mod:`mini_ddp.engine.debug`). Costs a store round trip per step."""
+
+    replica_check_every: int | None = 100
+    """Compare the ranks' parameters, buffers and train/eval modes at step 1 and every this
+    many synchronised steps, through the store (:mod:`mini_ddp.engine.replicas`); the first
+    step's local gradients too (identical data on every rank). None: off."""
+
     skip_all_reduce_unused_params: bool = False
     """Do not launch a bucket whose parameters are all unused this iteration (found unused by
     ``find_unused_parameters``, or by a static graph's first iteration); their ``.grad`` stay
