@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mini_ddp import DataParallelModel, MiniDDPError, RanksFailed, run_ranks
-from mini_ddp.engine.stall import ask_stacks
+from mini_ddp.engine.stacks import ask_stacks
 from mini_ddp.observe.flight_recorder import flight_recorder
 
 WARN_S = 2.0

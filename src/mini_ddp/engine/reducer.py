@@ -235,7 +235,7 @@ class Reducer(TorchReducerAPI):
     ``step`` (:class:`StepState`) and ``unused_search``.
     """
 
-    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.stall.FlightLog), or None
+    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.flight_log.FlightLog), or None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,

@@ -1,6 +1,6 @@
 """``python -m mini_ddp doctor DIR``: line the ranks' flight recorder dumps up, say what differs.
 
-Each rank's dump (:class:`mini_ddp.engine.stall.FlightLog`) lists the collectives the engine
+Each rank's dump (:class:`mini_ddp.engine.flight_log.FlightLog`) lists the collectives the engine
 launched — bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter
 map, join's collectives — numbered in launch order: the same numbers on every rank while they
 agree. The doctor finds the first collective some rank never launched ("rank 1 never launched
@@ -20,7 +20,8 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from mini_ddp.engine.stall import BUCKET_OP, OPS, describe_answer, format_stacks
+from mini_ddp.engine.flight_log import BUCKET_OP, OPS
+from mini_ddp.engine.stacks import describe_answer, format_stacks
 from mini_ddp.observe.flight_recorder import read_dumps
 
 
