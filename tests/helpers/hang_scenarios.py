@@ -157,6 +157,7 @@ def _job(ctx, outdir: str) -> None:
         loss = model(batch).sum()
         loss.backward()
         _STUCK["where"] = None
+        model.stall_monitor.settle(30)  # the report runs beside the wait: let it finish
         seen["scenarios"][name] = {"warnings": records[:], "step": model.reducer.step.num_iterations}
         time.sleep(0.5)  # a late answer (the GIL case) lands in this scenario's directory
     # GradSyncTimeout: a deadline shorter than the warning; rank 1 arrives after it, and after

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mini_ddp.engine.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
+
 logger = logging.getLogger("mini_ddp")
 
 ANSWER_S = 5.0
@@ -45,6 +47,9 @@ ANSWER_S = 5.0
 TIMEOUT_ANSWER_S = 1.0
 """The same, for the ask of a ``GradSyncTimeout``: the deadline has already passed, and a rank
 whose responder runs answers within a poll or two."""
+STOP_S = 0.5
+"""How long stopping a responder waits for the store to take the wake-up (at exit, or when the
+model goes): a frozen store must not hold up either."""
 MAX_FRAMES = 14
 """Innermost frames kept per thread (the outer ones are the launcher's and the harness's)."""
 _POLL_S = 0.05
@@ -141,9 +146,11 @@ class StackResponder:
         if self._stop.is_set():
             return
         self._stop.set()
-        try:
-            self._waker.set(f"ask/{self.rank}", json.dumps({"stop": True}))
-        except Exception:  # noqa: BLE001 - the store is gone: the thread's wait fails too
+        try:  # bounded: a frozen store must not hold up the model's deletion, or the exit
+            bounded_store_call(self._waker, lambda s: s.set(f"ask/{self.rank}",
+                                                            json.dumps({"stop": True})),
+                               STOP_S, "waking the stack responder")
+        except StoreUnanswered:  # the store is gone or frozen: the thread is a daemon
             pass
 
 
@@ -233,26 +240,35 @@ def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any)
 
 
 def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,
-               asked_by: int | None = None, why: str = "") -> dict[int, dict[str, Any]]:
+               asked_by: int | None = None, why: str = "",
+               call_s: float = STORE_CALL_S) -> dict[int, dict[str, Any]]:
     """Ask each of ``ranks`` for its stacks; wait up to ``answer_s`` for all of them.
 
     Returns ``{rank: answer}``: an answer is ``{"answered": True, "stacks": [...], "time"}``, or
-    ``{"answered": False, "waited_s": answer_s}`` for a rank that did not answer in time.
+    ``{"answered": False, "waited_s": answer_s}`` for a rank that did not answer in time. Every
+    store call runs off this thread with a deadline of ``call_s``
+    (:func:`~mini_ddp.engine.bounded_store.bounded_store_call`): a store that does not answer
+    raises :class:`~mini_ddp.engine.bounded_store.StoreUnanswered`, never blocks.
     """
     now = time.time()
-    generations = {}
-    for rank in ranks:
-        generations[rank] = store.add(f"asked/{rank}", 1)
-        store.set(f"ask/{rank}", json.dumps({"from": asked_by, "time": now, "why": why,
-                                                  "answer_s": answer_s}))
+    request = json.dumps({"from": asked_by, "time": now, "why": why, "answer_s": answer_s})
+
+    def send(s: Any) -> dict[int, int]:
+        generations = {}
+        for rank in ranks:
+            generations[rank] = s.add(f"asked/{rank}", 1)
+            s.set(f"ask/{rank}", request)
+        return generations
+
+    def replies(s: Any) -> dict[int, dict[str, Any]]:
+        return {rank: json.loads(s.get(f"stack/{rank}")) for rank in ranks
+                if rank not in found and s.check([f"stack/{rank}"])}
+
+    generations = bounded_store_call(store, send, call_s, "asking for stacks")
     found: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + answer_s
     while True:
-        for rank in ranks:
-            key = f"stack/{rank}"
-            if rank in found or not store.check([key]):
-                continue
-            reply = json.loads(store.get(key))
+        for rank, reply in bounded_store_call(store, replies, call_s, "reading stacks").items():
             if reply["generation"] >= generations[rank]:
                 found[rank] = {"answered": True, "stacks": reply["stacks"],
                                "time": reply["time"]}

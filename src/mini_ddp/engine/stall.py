@@ -34,12 +34,14 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from mini_ddp.engine.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
 from mini_ddp.engine.flight_log import FlightLog, install_dump_signal
+from mini_ddp.engine.peers import PeerState, peer_states, watch
 from mini_ddp.engine.stacks import (
     ANSWER_S,
     TIMEOUT_ANSWER_S,
@@ -158,6 +160,8 @@ class StallMonitor:
         self._responder: StackResponder | None = None
         self.answer_s = ANSWER_S  # how long a report waits for a late rank's stack
         self.timeout_answer_s = TIMEOUT_ANSWER_S  # the same, when sync_timeout_s has passed
+        self.call_s = STORE_CALL_S  # the deadline of each store call (bounded_store_call)
+        self._reporting: threading.Thread | None = None  # the slow wait's report, under way
 
     @property
     def reducer(self) -> Any:
@@ -181,6 +185,8 @@ class StallMonitor:
             r.on_stall, r.stall_after_s = self.on_stall, self.limit_s
             r.on_timeout = self.on_timeout
             self._start_flight_log_and_responder()
+            if hasattr(r, "layout"):  # a real reducer: its rank leaves a mark as it finishes
+                watch(r)
         return self
 
     def _start_flight_log_and_responder(self) -> None:
@@ -222,44 +228,124 @@ class StallMonitor:
         self.remove()
 
     # ---- marks ------------------------------------------------------------------------------
-    def publish(self, state: str, launched: int, **extra: Any) -> None:
-        """Leave this rank's mark: its step, how many buckets it launched, and ``state``."""
+    def snapshot(self, bucket: Any = None) -> dict[str, Any]:
+        """This rank's state now, for marks and reports made off the waiting thread: its
+        step, the next bucket to launch, the parameters still without a gradient, the buckets
+        not launched, and what ``bucket`` (None: the unused-parameter map) holds."""
         r = self.reducer
-        mark = {"step": r.step.num_iterations, "state": state, "launched": launched,
-                "buckets": len(r.layout.buckets), "time": time.time(), **extra}
+        buckets = r.layout.buckets
+        return {"rank": r.rank, "world_size": r.world_size, "step": r.step.num_iterations,
+                "next_bucket": r.step.next_bucket, "buckets": len(buckets),
+                "missing": self.missing(),
+                "pending": [b.index for b in buckets[r.step.next_bucket:]],
+                "bucket": None if bucket is None else bucket.index,
+                "params": [] if bucket is None else [r.names[i] for i in bucket.param_indices]}
+
+    def publish(self, state: str, launched: int, now: dict[str, Any] | None = None,
+                **extra: Any) -> None:
+        """Leave this rank's mark: its step, how many buckets it launched, and ``state``
+        (``now``: a :meth:`snapshot` taken earlier, default now). The store call has a
+        deadline of :attr:`call_s`: raises :class:`StoreUnanswered` when the store does not
+        take it."""
+        now = self.snapshot() if now is None else now
+        mark = {"step": now["step"], "state": state, "launched": launched,
+                "buckets": now["buckets"], "time": time.time(), **extra}
         if state in ("ended_unfinished", "waiting", "failed"):
-            mark["missing"] = self.missing()
-            mark["pending"] = [b.index for b in r.layout.buckets[r.step.next_bucket:]]
-        self.store.set(f"rank{r.rank}", json.dumps(mark))
+            mark["missing"], mark["pending"] = now["missing"], now["pending"]
+        key, payload = f"rank{now['rank']}", json.dumps(mark)
+        bounded_store_call(self.store, lambda s: s.set(key, payload), self.call_s,
+                           "this rank's stall mark")
 
     def missing(self) -> list[str]:
         """This rank's parameters that have no gradient yet in the current backward."""
         r = self.reducer
-        return [r.names[i] for i in range(len(r.params)) if i not in r.step.ready]
+        ready = set(r.step.ready)  # a copy: a report may run while backward goes on
+        return [r.names[i] for i in range(len(r.params)) if i not in ready]
 
     def marks(self) -> dict[int, dict | None]:
-        """Every rank's latest mark (None: it left none)."""
-        found: dict[int, dict | None] = {}
-        for rank in range(self.reducer.world_size):
-            key = f"rank{rank}"
-            found[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-        return found
+        """Every rank's latest mark (None: it left none); one store call with a deadline of
+        :attr:`call_s` (raises :class:`StoreUnanswered`)."""
+        size = self.reducer.world_size
+
+        def read(store: Any) -> dict[int, dict | None]:
+            return {rank: json.loads(store.get(f"rank{rank}"))
+                    if store.check([f"rank{rank}"]) else None for rank in range(size)}
+
+        return bounded_store_call(self.store, read, self.call_s, "the ranks' stall marks")
+
+    def peer_states(self) -> dict[int, PeerState]:
+        """Each rank's last known state: its finish mark when it left one
+        (:func:`mini_ddp.engine.peers.peer_states`), else ``"at step S"`` from its latest
+        stall mark when it left one, else ``"unknown"``. Bounded; never raises."""
+        states = peer_states()
+        try:
+            marks = self.marks()
+        except StoreUnanswered:
+            return states
+        for rank, mark in marks.items():
+            state = states.get(rank)
+            if mark is not None and (state is None or state.state == "unknown"):
+                states[rank] = PeerState(rank, "at step", mark["state"], mark["step"],
+                                         time=mark["time"])
+        return states
 
     # ---- the report -------------------------------------------------------------------------
-    def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> None:
+    def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> str | None:
         """The reducer's stall seam: after ``limit_s`` without an answer (``error`` None), or
         when the collective failed. A failed collective is already named by the reducer: the
-        flight recorder only dumps."""
+        flight recorder dumps (with what the store says of the other ranks), and when the
+        backend's own timeout failed it (Gloo's "Timed out", the process group's timeout,
+        which ``sync_timeout_s`` equals by default and may lose the race to), the late ranks
+        are named and asked where they are as for a ``GradSyncTimeout`` (bounded the same
+        way): the returned lines go into the error.
+
+        A slow wait is reported from a thread of its own: this returns at once, so the wait,
+        its deadline and training go on exactly as without the warning, whatever the store
+        does (a frozen or gone store costs one log line, from that thread)."""
         if error is not None:
             self.failed(bucket)
-            self.dump(f"collective failed: {type(error).__name__}: {error}")
+            late, dumped = "", {}
+            if "timed out" in str(error).lower():
+                late, dumped = self.on_timeout(reducer, bucket)
+            states = {str(rank): asdict(state) for rank, state in peer_states().items()}
+            self.dump(f"collective failed: {type(error).__name__}: {error}", peer_states=states,
+                      **dumped)
+            return late
+        if self._reporting is not None and self._reporting.is_alive():
+            return None  # the report under way covers this wait too
+        now = self.snapshot(bucket)
+        future = None if bucket is None else bucket.future
+        self._reporting = threading.Thread(
+            target=self._report_slow_wait, args=(now, future),
+            name=f"mini_ddp-stall-report-rank{now['rank']}", daemon=True)
+        self._reporting.start()
+        return None
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` for a stall report under way; True when none is left."""
+        if self._reporting is not None:
+            self._reporting.join(timeout_s)
+        return self._reporting is None or not self._reporting.is_alive()
+
+    def _report_slow_wait(self, now: dict[str, Any], future: Any) -> None:
+        try:
+            self.publish("waiting", launched=now["next_bucket"], now=now,
+                         waiting_for=now["bucket"])
+            report = self.report(None, None, now=now, future=future)
+        except StoreUnanswered as problem:
+            what = "the unused-parameter map" if now["bucket"] is None \
+                else f"bucket {now['bucket']}"
+            logger.warning("mini_ddp: rank %d has waited %g s for %s of step %d; %s: no stall "
+                           "report this time (the wait goes on)", now["rank"], self.limit_s,
+                           what, now["step"], problem)
             return
-        self.publish("waiting", launched=reducer.step.next_bucket,
-                     waiting_for=None if bucket is None else bucket.index)
-        report = self.report(bucket, None)
-        if report is not None:
-            self.diagnose(report)
-            self.act(report, None)
+        except Exception:  # noqa: BLE001 - a thread of its own: nothing may escape it
+            logger.exception("mini_ddp: rank %d could not make its stall report", now["rank"])
+            return
+        if report is not None and not _failed(future):
+            self.diagnose(report, future)
+            if not _failed(future):  # a failed one is named by the wait's own error and dump
+                self.act(report, None)
 
     def on_timeout(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
         """The reducer's timeout seam: its wait passed ``sync_timeout_s`` (whether or not a
@@ -270,33 +356,37 @@ class StallMonitor:
         rank's flight recorder dump (``report``, ``peers``). Bounded in wall-clock time: the
         peers' grace to leave their marks (at most :data:`ARRIVAL_GRACE_S`), then
         :attr:`timeout_answer_s` for the stacks — a rank that does not answer is said to, as in
-        a warning. The store is used from a thread of its own, joined with that deadline (and
-        a second more): a store call cannot be given a deadline, and a store cut off from this
-        rank (a network partition) would otherwise hold the error back for the store's own
-        timeout.
+        a warning. Every store call has its own deadline (:attr:`call_s`), and a store that
+        does not answer is named as the reason the late ranks could not be asked (at once,
+        when an earlier call, e.g. a stall report's, is still waiting for it); the whole is
+        joined with that deadline and a second more.
         """
         found: list[tuple[str, dict[str, Any]]] = []
-        worker = threading.Thread(target=lambda: found.append(self._ask_late(reducer, bucket)),
+        now = self.snapshot(bucket)
+        worker = threading.Thread(target=lambda: found.append(self._ask_late(now, bucket)),
                                   name=f"mini_ddp-timeout-ask-rank{reducer.rank}", daemon=True)
         worker.start()
         limit = min(self.limit_s, ARRIVAL_GRACE_S) + self.timeout_answer_s + 1.0
         worker.join(limit)
         if not found:
-            return (f"  The late ranks could not be asked where they are: the process group's "
+            return (f"  The late ranks could not be asked where they are: the rendezvous "
                     f"store did not answer within {limit:g} s.", {})
         return found[0]
 
-    def _ask_late(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
+    def _ask_late(self, now: dict[str, Any], bucket: Any) -> tuple[str, dict[str, Any]]:
         try:
-            self.publish("waiting", launched=reducer.step.next_bucket,
-                         waiting_for=None if bucket is None else bucket.index)
-            report = self.report(bucket, None)
+            self.publish("waiting", launched=now["next_bucket"], now=now,
+                         waiting_for=now["bucket"])
+            report = self.report(None, None, now=now,
+                                 future=None if bucket is None else bucket.future)
             if report is None or not report.culprits:
                 return "", {}
             self.ask(report, "timed out waiting", self.timeout_answer_s)
+        except StoreUnanswered as problem:
+            return (f"  The late ranks could not be named: {problem}.", {})
         except Exception:  # noqa: BLE001 - the timeout is raised in any case, with what we have
             logger.exception("mini_ddp: rank %d could not find the late ranks of its timeout",
-                             reducer.rank)
+                             now["rank"])
             return "", {}
         lines = ["  Ranks that had not reached it when this rank gave up:"]
         for rank, why in sorted(report.culprits.items()):
@@ -312,25 +402,31 @@ class StallMonitor:
             answer_s: float | None = None) -> None:
         """Ask the late ranks of ``report`` (at most :data:`MAX_ASKED`, the lowest) for their
         stacks, into ``report.stacks``, waiting ``answer_s`` (default :attr:`answer_s`) for
-        them (each asked rank dumps its flight log as it answers)."""
-        r = self.reducer
+        them (each asked rank dumps its flight log as it answers). A store that does not
+        answer leaves the report without stacks, and says so in one log line."""
         late = sorted(report.culprits)[:MAX_ASKED]
         if late and report.error is None:
             what = "the unused-parameter map" if report.waiting_for is None \
                 else f"bucket {report.waiting_for}"
             try:
                 report.stacks = ask_stacks(self.store, late, answer_s or self.answer_s,
-                                           asked_by=r.rank,
-                                           why=f"rank {r.rank} {waits} for {what} of step "
-                                               f"{report.step}")
+                                           asked_by=report.rank,
+                                           why=f"rank {report.rank} {waits} for {what} of step "
+                                               f"{report.step}", call_s=self.call_s)
+            except StoreUnanswered as problem:
+                logger.warning("mini_ddp: rank %d could not ask ranks %s for their stacks: %s: "
+                               "no stacks this time", report.rank, late, problem)
             except Exception:  # noqa: BLE001 - a report without stacks beats a failed wait
                 logger.exception("mini_ddp: rank %d could not ask ranks %s for their stacks",
-                                 r.rank, late)
+                                 report.rank, late)
 
-    def diagnose(self, report: StallReport) -> None:
+    def diagnose(self, report: StallReport, future: Any = None) -> None:
         """Ask the late ranks for their stacks (:meth:`ask`), into ``report``; then dump this
-        rank's flight log (the asked ranks dump theirs as they answer)."""
+        rank's flight log (the asked ranks dump theirs as they answer) — unless ``future``, the
+        collective waited for, failed meanwhile: its failure's dump is the one to keep."""
         self.ask(report)
+        if _failed(future):
+            return
         text = str(report)
         self.dump(f"stall warning: {text.splitlines()[0]}", report=text,
                   peers={str(rank): answer for rank, answer in report.stacks.items()})
@@ -351,38 +447,61 @@ class StallMonitor:
         """Tell the user: a WARNING on the ``"mini_ddp"`` logger."""
         logger.warning("%s", report)
 
-    def report(self, bucket: Any, error: BaseException | None) -> StallReport | None:
-        """Read every rank's marks and say who holds ``bucket`` up (None: nobody any more)."""
-        r = self.reducer
-        index = None if bucket is None else bucket.index
+    def report(self, bucket: Any, error: BaseException | None,
+               now: dict[str, Any] | None = None, future: Any = None) -> StallReport | None:
+        """Read every rank's marks and say who holds ``bucket`` up (None: nobody any more).
+
+        ``now`` (a :meth:`snapshot`) and ``future`` stand for ``bucket`` when the report is
+        made off the waiting thread. Raises :class:`StoreUnanswered` when the store does not
+        hand the marks over in time."""
+        now = self.snapshot(bucket) if now is None else now
+        if future is None and bucket is not None:
+            future = bucket.future
+        step, index = now["step"], now["bucket"]
         marks = self.marks()
         if not self.eager_marks and error is None:
             # Peers mark only when their own wait passes the limit: give them a moment, and
             # stop early once they all have (or the collective finished: no stall to report).
             deadline = time.monotonic() + min(self.limit_s, ARRIVAL_GRACE_S)
-            while not all(m is not None and m["step"] >= r.step.num_iterations
+            while not all(m is not None and m["step"] >= step
                           for m in marks.values()) and time.monotonic() < deadline:
-                if bucket is not None and bucket.future is not None and bucket.future.done():
+                if _finished_well(future):
                     return None
                 time.sleep(0.05)
                 marks = self.marks()
         report = StallReport(
-            r.rank, r.world_size, r.step.num_iterations, index,
-            [] if bucket is None else [r.names[i] for i in bucket.param_indices],
-            self.limit_s if error is None and bucket is not None else 0.0,
+            now["rank"], now["world_size"], step, index, now["params"],
+            self.limit_s if error is None and index is not None else 0.0,
             None if error is None else f"{type(error).__name__}: {error}",
-            [b.index for b in r.layout.buckets[r.step.next_bucket:]], self.missing(), marks)
+            now["pending"], now["missing"], marks)
         for rank, mark in marks.items():
-            if rank == r.rank:
+            if rank == now["rank"]:
                 continue
-            if not self.eager_marks and (mark is None or mark["step"] < r.step.num_iterations):
+            if not self.eager_marks and (mark is None or mark["step"] < step):
                 what = "the unused-parameter map" if index is None else f"bucket {index}"
                 report.culprits[rank] = (
-                    f"has not reached {what} of step {r.step.num_iterations}: it is slow or stuck "
+                    f"has not reached {what} of step {step}: it is slow or stuck "
                     f"before it (no mark from it within {min(self.limit_s, ARRIVAL_GRACE_S):g}"
                     " s of this one)")
                 continue
-            why = holds_up(mark, r.step.num_iterations, index)
+            why = holds_up(mark, step, index)
             if why:
                 report.culprits[rank] = why
         return report
+
+
+def _failed(future: Any) -> bool:
+    """Has ``future``'s collective failed?"""
+    return future is not None and future.done() and not _finished_well(future)
+
+
+def _finished_well(future: Any) -> bool:
+    """Has ``future``'s collective completed with a value? (A failed one — Gloo's own timeout
+    firing with the deadline — still has late ranks to name.)"""
+    if future is None or not future.done():
+        return False
+    try:
+        future.value()
+    except Exception:  # noqa: BLE001 - failed: not finished well
+        return False
+    return True

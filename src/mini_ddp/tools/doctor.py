@@ -7,7 +7,9 @@ agree. The doctor finds the first collective some rank never launched ("rank 1 n
 bucket 2 of step 120"),
 collectives launched everywhere but completed nowhere (the network, or a dead peer), two ranks
 whose same-numbered collectives differ (a desync), ranks that left no dump or did not answer
-when asked for their stacks, and shows each late rank's Python stack.
+when asked for their stacks, and shows each late rank's Python stack. A rank that left no dump
+is said to have finished (or failed with an exception) when a survivor read its finish mark in
+the store (:mod:`mini_ddp.engine.peers`), and to have most likely died only when it left none.
 
 The same directory also holds torch-format dumps (``mini_ddp_fr_<rank>``), for torch's own
 analyser: ``python -m torch.distributed.flight_recorder.fr_trace DIR``.
@@ -62,6 +64,26 @@ def _stack_of(rank: int, dumps: dict[int, dict[str, Any]]) -> str | None:
     return None
 
 
+def _ended(rank: int, dumps: dict[int, dict[str, Any]]) -> str | None:
+    """What the survivors read in the store of ``rank`` when their collective failed: that it
+    finished (cleanly) or failed with an exception (None: it left no such mark)."""
+    for peer, d in sorted(dumps.items()):
+        state = d.get("peer_states", {}).get(str(rank))
+        if state is None or state["state"] not in ("finished", "failed"):
+            continue
+        after = "" if state.get("step") is None else f" after step {state['step']}"
+        if state["state"] == "failed":
+            return (f"rank {rank} left no dump: it failed{after}, its script raised "
+                    f"{state['error']} (read by rank {peer} from the store); its own log has "
+                    "the traceback")
+        return (f"rank {rank} left no dump: it finished ({state['how']}){after}, it did not "
+                f"die (read by rank {peer} from the store when its collective failed, in step "
+                f"{d.get('progress', {}).get('step', '?')}): the ranks ran different numbers "
+                "of steps (uneven inputs) — give every rank the same number of batches "
+                "(DistributedSampler(drop_last=True)) or train inside model.join()")
+    return None
+
+
 def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
     """The doctor's findings (lines of text) for ``dumps`` (:func:`read_dumps`'s result)."""
     if not dumps:
@@ -90,7 +112,10 @@ def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
         silent = [int(p) for p, d in dumps.items() if not d.get("peers", {}).get(
             str(rank), {"answered": True})["answered"]]
         failed = [p for p, d in dumps.items() if d["reason"].startswith("collective failed")]
-        if silent:
+        ended = _ended(rank, dumps)
+        if ended is not None:
+            findings.append(ended)
+        elif silent:
             findings.append(f"rank {rank} left no dump and did not answer rank {silent[0]}'s "
                             "request for its stack: no Python thread of it could run (native "
                             "code holding the GIL) or its process is gone")
