@@ -142,15 +142,20 @@ class CollectiveError(MiniDDPError):
         # What the other ranks left in the store as they ended (a rank that finished is not
         # a rank that died); "" when none did, or nobody registered a reader.
         self.peers = _peer_notes(rank)
-        died = ("Another rank has most likely died (killed, out of memory, crashed), hung, or "
-                "lost its connection: its own log says why.")
-        if self.peers.startswith("Whether another rank"):
-            died, self.peers = f"{died} {self.peers}", ""
+        after = f"\n{late}" if late else ""
+        if self.peers and not self.peers.startswith("Whether another rank"):
+            super().__init__(
+                f"mini_ddp: rank {rank}: {what} failed: {reason}. What the other ranks left in "
+                f"the store: {self.peers} This process group cannot be used any more; restart "
+                "the job (e.g. torchrun --max-restarts=N) and resume from the last checkpoint."
+                + after)
+            return
+        unknown = f" {self.peers}" if self.peers else ""  # the store did not answer
         super().__init__(
-            f"mini_ddp: rank {rank}: {what} failed: {reason}. {self.peers or died} This "
-            "process group cannot be used any more; restart the job (e.g. "
-            "torchrun --max-restarts=N) and resume from the last checkpoint."
-            + (f"\n{late}" if late else ""))
+            f"mini_ddp: rank {rank}: {what} failed: {reason}. Another rank has most likely "
+            "died (killed, out of memory, crashed), hung, or lost its connection: its own log "
+            f"says why.{unknown} This process group cannot be used any more; restart the job "
+            "(e.g. torchrun --max-restarts=N) and resume from the last checkpoint." + after)
 
 
 _PEER_READERS: list[Callable[[int], str]] = []

@@ -40,9 +40,7 @@ class StoreUnanswered(RuntimeError):
     ``timed_out`` says which; the message is one sentence, meant for one log line.
     """
 
-    def __init__(self, message: str, timed_out: bool):
-        self.timed_out = timed_out
-        super().__init__(message)
+    timed_out: bool = True
 
 
 def _connection(store: Any) -> Any:
@@ -68,8 +66,7 @@ def bounded_store_call(store: Any, call: Callable[[Any], T], timeout_s: float = 
         if stuck is not None and stuck[2].is_alive():
             raise StoreUnanswered(
                 f"the rendezvous store did not answer within {stuck[1]:g} s{about}: a call "
-                f"made {time.monotonic() - stuck[0]:.1f} s ago is still waiting for it",
-                timed_out=True)
+                f"made {time.monotonic() - stuck[0]:.1f} s ago is still waiting for it")
         _STUCK.pop(key, None)
     outcome: list[Any] = []
 
@@ -87,10 +84,12 @@ def bounded_store_call(store: Any, call: Callable[[Any], T], timeout_s: float = 
         with _LOCK:
             _STUCK[key] = (started, timeout_s, worker)
         raise StoreUnanswered(f"the rendezvous store did not answer within {timeout_s:g} s"
-                              f"{about}", timed_out=True)
+                              f"{about}")
     ok, value = outcome[0]
     if not ok:
         first = (str(value).strip().splitlines() or [""])[0][:200]
-        raise StoreUnanswered(f"the rendezvous store failed{about}: {type(value).__name__}: "
-                              f"{first}", timed_out=False) from value
+        failed = StoreUnanswered(f"the rendezvous store failed{about}: "
+                                 f"{type(value).__name__}: {first}")
+        failed.timed_out = False
+        raise failed from value
     return value
