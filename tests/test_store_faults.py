@@ -171,7 +171,7 @@ def _report() -> None:
         for rank in (1, 2):
             error = run["results"][engine, rank]["error"]
             print(f"frozen_host {engine} rank {rank}: {error['type']} after "
-                  f"{error['after_s']:.1f} s: {error['message'][:300]!r}")
+                  f"{error['after_s']:.1f} s: {error['message']}")
 
 
 if __name__ == "__main__":
