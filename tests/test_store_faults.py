@@ -15,11 +15,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from mini_ddp.engine import peers
+from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call
 from mini_ddp.observe.flight_recorder import read_dumps
 from mini_ddp.tools.doctor import diagnose
 
@@ -176,3 +180,74 @@ def _report() -> None:
 
 if __name__ == "__main__":
     _report()
+
+
+# ---- no processes: the helper and the marks' reader --------------------------------------------
+class _Blocking:
+    """A stand-in store whose calls block until released (a frozen store), on one connection."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def get(self, key):
+        self.release.wait()
+        return b"late"
+
+    def check(self, keys):
+        self.release.wait()
+        return False
+
+
+class _Prefixed:
+    def __init__(self, underlying):
+        self.underlying_store = underlying
+
+
+def test_a_stuck_store_call_raises_at_its_deadline_and_holds_up_no_later_call():
+    store = _Blocking()
+    with pytest.raises(StoreUnanswered, match="did not answer within 0.2 s") as stuck:
+        bounded_store_call(store, lambda s: s.get("k"), 0.2, "a mark")
+    assert stuck.value.timed_out and "(a mark)" in str(stuck.value)
+    # The same connection, through a prefix: fails at once, saying a call is still waiting.
+    with pytest.raises(StoreUnanswered, match="still waiting for it"):
+        bounded_store_call(_Prefixed(store), lambda s: s.underlying_store.get("k"), 60)
+    store.release.set()  # the store answers again: so does the next call
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            assert bounded_store_call(store, lambda s: s.get("k"), 5) == b"late"
+            break
+        except StoreUnanswered:
+            time.sleep(0.05)  # the stuck thread is on its way out
+    else:
+        raise AssertionError("the store never became usable again")
+
+
+def test_a_failing_store_call_raises_with_the_cause():
+    def gone(store):
+        raise RuntimeError("Broken pipe")
+
+    with pytest.raises(StoreUnanswered, match="failed: RuntimeError: Broken pipe") as failed:
+        bounded_store_call(object(), gone)
+    assert not failed.value.timed_out and isinstance(failed.value.__cause__, RuntimeError)
+
+
+def test_peer_states_reads_each_ranks_mark():
+    store = dist.HashStore()
+    store.set(peers.KEY.format(1), json.dumps({"how": "exited cleanly", "step": 3,
+                                               "time": 1.0, "error": ""}))
+    store.set(peers.KEY.format(2), json.dumps({"how": "raised", "step": 2, "time": 1.0,
+                                               "error": "ValueError: boom"}))
+    states = peers.peer_states(world_size=4, store=store)
+    assert [states[r].state for r in range(4)] == ["unknown", "finished", "failed", "unknown"]
+    text = peers.describe_finished(states, rank=0)
+    assert "rank 1 finished (exited cleanly) after step 3" in text
+    assert "rank 2 failed after step 2: its script raised ValueError: boom" in text
+    assert "DistributedSampler(drop_last=True)" in text and "Ranks [3] left no mark" in text
+    assert peers.describe_finished({0: states[0], 3: states[3]}, rank=0) == ""  # no mark: say
+    # nothing, so the error keeps "most likely died"
+    blocking = _Blocking()
+    frozen = peers.peer_states(world_size=2, store=blocking, timeout_s=0.2)
+    blocking.release.set()  # let the stuck call's thread end
+    assert {s.state for s in frozen.values()} == {"unreachable"}
+    assert "did not answer within 0.2 s" in peers.describe_finished(frozen, rank=0)
