@@ -9,6 +9,14 @@ parameters, and every rank that left no mark for this step — the rank that is 
 Then it keeps waiting: a slow rank that arrives late costs a log line, not the job (torch DDP
 waits for the process group's timeout, and so does ``sync_timeout_s`` by default).
 
+The report runs in a thread of its own, from a snapshot of the rank's state taken as the wait
+passes the limit, and every store call it makes has a deadline
+(:func:`mini_ddp.engine.bounded_store.bounded_store_call`): the wait, its deadline and training
+go on exactly as without the warning, and a store that is slow, frozen or gone costs one log
+line ("the rendezvous store did not answer within 2 s: no stall report this time"). As each
+rank's models are watched, the rank also leaves a mark as it finishes
+(:mod:`mini_ddp.engine.peers`), so that a peer that finished is not reported as dead.
+
 This is Horovod's stall check, without its coordinator: each waiting rank asks the store.
 It then asks each late rank *where* it is — its Python stacks, answered by the rank's stack
 responder thread (:class:`mini_ddp.engine.stacks.StackResponder`) through the same store — and puts
