@@ -14,6 +14,7 @@ import argparse
 import errno
 import os
 import pickle
+import signal
 import time
 from collections.abc import Callable
 from unittest import mock
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from mini_ddp import (
     DataParallelModel,
     DesyncDetector,
+    RanksFailed,
     SharedMemoryAllreduce,
     StallWatchdog,
     check_in_sync,
@@ -407,14 +409,23 @@ def _stall(ctx) -> str:
     return _late_peer(ctx, watchdog=True)
 
 
-def _dead_peer(ctx) -> str:
+def _finished_peer(ctx) -> str:
     model = DataParallelModel(nn.Linear(2, 2))
-    if ctx.rank == 1:  # leaves: its connections close
+    if ctx.rank == 1:  # finishes: it leaves its mark, then its connections close
         dist.destroy_process_group()
         return "left"
     time.sleep(1)
     err = _raised(lambda: model(torch.randn(1, 2)).sum().backward())
     return f"{type(err).__name__}|{err}"
+
+
+def _dead_peer(ctx) -> str:
+    model = DataParallelModel(nn.Linear(2, 2))
+    if ctx.rank == 1:  # dies: no mark, its connections close
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1)
+    err = _raised(lambda: model(torch.randn(1, 2)).sum().backward())
+    raise RuntimeError(f"{KILLED_MARK}{type(err).__name__}|{err}")  # run_ranks keeps no result
 
 
 def _desync(ctx) -> str:
@@ -472,6 +483,7 @@ TWO_RANKS: dict[str, Callable] = {
     "Ranks built different models": _mismatch,
     "A peer stopped answering": _timeout_rank,
     "A peer died": _dead_peer,
+    "A peer finished early": _finished_peer,
     "A stall, seen by the watchdog": _stall,
     "Replicas out of sync": _desync,
 }
@@ -494,6 +506,7 @@ SHM: dict[str, str] = {
     "Shared-memory allocate from the transport's own thread": "worker thread",
 }
 NOT_INITIALISED = "Process group not initialised"
+KILLED_MARK = "survivor saw: "  # where _dead_peer's survivor puts what it caught
 
 
 def test_every_entry_has_a_trigger():
@@ -530,8 +543,13 @@ def test_two_rank_entry(title, tmp_path):
     kind, text = _entries()[title]
     fn, args = (_shm, (SHM[title],)) if title in SHM else \
         (_classic, (CLASSIC[title], kind)) if title in CLASSIC else (TWO_RANKS[title], ())
-    results = run_ranks(fn, 2, args=args, timeout_s=60,
-                        env={"MINI_DDP_FLIGHT_DIR": str(tmp_path)})  # dumps of asked ranks
+    env = {"MINI_DDP_FLIGHT_DIR": str(tmp_path)}  # dumps of asked ranks
+    if fn is _dead_peer:
+        with pytest.raises(RanksFailed) as failed:
+            run_ranks(fn, 2, args=args, timeout_s=60, env=env)
+        results = [failed.value.failures[0].rsplit(KILLED_MARK, 1)[-1]]
+    else:
+        results = run_ranks(fn, 2, args=args, timeout_s=60, env=env)
     if title in CLASSIC:
         assert set(results) != {"late"}, f"{title}: no rank raised {kind}"
     for result in results:

@@ -26,11 +26,23 @@ class UnfinishedReductionError(MiniDDPError):
 
     def __init__(self, rank: int, names: list[str], indices: list[int],
                  static_graph: bool = False, find_unused_parameters: bool = False,
-                 frozen: list[str] | None = None):
+                 frozen: list[str] | None = None, unfinished: list[str] | None = None):
         self.rank, self.names, self.indices = rank, names, indices
+        self.unfinished = unfinished or []
         listed = ", ".join(names[:20]) + (f", … ({len(names)} in all)" if len(names) > 20 else "")
         culprits = (f"The previous backward gave no gradient to these parameters on rank {rank}: "
                     f"{listed} (indices {indices[:20]}).")
+        if not names:
+            # Every gradient arrived, yet the reduction did not finish: the backward was cut
+            # short after its last gradient (a communication hook or a gradient hook raised,
+            # and the caller caught it and went on). Name what was left undone instead.
+            undone = "; ".join(self.unfinished[:6]) or "its end-of-backward wait"
+            culprits = (f"On rank {rank}, though, every parameter got its gradient in the "
+                        f"previous backward, but its reduction never finished: {undone} — the "
+                        "backward was interrupted (an exception raised in a communication hook "
+                        "or a gradient hook, caught and followed by a new forward). The other "
+                        "ranks may be waiting for this rank in that step: after such an error, "
+                        "restart the job (or every rank's step) instead of retrying on one rank.")
         # torch's sentences, verbatim (including its lower-case "this" and double space).
         if static_graph:
             why = ("This error indicates that your training graph has changed in this "
@@ -121,17 +133,52 @@ class CollectiveError(MiniDDPError):
     own message (kept whole as ``__cause__``).
     """
 
-    def __init__(self, rank: int, what: str, cause: BaseException):
+    def __init__(self, rank: int, what: str, cause: BaseException, late: str = ""):
         self.rank, self.what = rank, what
+        self.late = late  # the late ranks, when the backend's own timeout ended the wait
         # Gloo prefixes its source path and appends boilerplate; the middle is what happened.
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         reason = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)
         reason = reason.split(" This is typically caused by")[0].rstrip(" .")
+        # What the other ranks left in the store as they ended (a rank that finished is not
+        # a rank that died); "" when none did, or nobody registered a reader.
+        self.peers = _peer_notes(rank)
+        after = f"\n{late}" if late else ""
+        if self.peers and not self.peers.startswith("Whether another rank"):
+            super().__init__(
+                f"mini_ddp: rank {rank}: {what} failed: {reason}. What the other ranks left in "
+                f"the store: {self.peers} This process group cannot be used any more; restart "
+                "the job (e.g. torchrun --max-restarts=N) and resume from the last checkpoint."
+                + after)
+            return
+        unknown = f" {self.peers}" if self.peers else ""  # the store did not answer
         super().__init__(
             f"mini_ddp: rank {rank}: {what} failed: {reason}. Another rank has most likely "
             "died (killed, out of memory, crashed), hung, or lost its connection: its own log "
-            "says why. This process group cannot be used any more; restart the job (e.g. "
-            "torchrun --max-restarts=N) and resume from the last checkpoint.")
+            f"says why.{unknown} This process group cannot be used any more; restart the job "
+            "(e.g. torchrun --max-restarts=N) and resume from the last checkpoint." + after)
+
+
+_PEER_READERS: list[Callable[[int], str]] = []
+
+
+def explain_peers_with(reader: Callable[[int], str]) -> None:
+    """Make :class:`CollectiveError` ask ``reader(rank)`` what the other ranks did (the
+    engine's :func:`mini_ddp.engine.peers.explain_peers`: who finished, who failed). This
+    module is the lowest layer, so the reader is handed in rather than imported."""
+    if reader not in _PEER_READERS:
+        _PEER_READERS.append(reader)
+
+
+def _peer_notes(rank: int) -> str:
+    for reader in _PEER_READERS:
+        try:
+            text = reader(rank)
+        except Exception:  # noqa: BLE001 - the error is raised in any case, with what we know
+            continue
+        if text:
+            return text
+    return ""
 
 
 TORCH_MISMATCH = "Detected mismatch between collectives on ranks."
@@ -160,10 +207,11 @@ class CollectiveMismatchError(MiniDDPError):
 
 
 @contextmanager
-def naming_collective(rank: int, what: str | Callable[[], str]) -> Iterator[None]:
+def naming_collective(rank: int, what: str | Callable[[], str], late: str = "") -> Iterator[None]:
     """Re-raise a backend failure inside the block as :class:`CollectiveError` naming ``what``.
 
-    ``what`` may be a callable, so the hot path builds no message until something fails.
+    ``what`` may be a callable, so the hot path builds no message until something fails;
+    ``late``: lines naming the ranks that had not arrived (added after the message).
 
     torch DDP lets the raw backend error through (for Gloo: "Connection reset by peer" and a
     C++ source path), which says neither which collective nor which step failed.
@@ -173,6 +221,7 @@ def naming_collective(rank: int, what: str | Callable[[], str]) -> Iterator[None
     except MiniDDPError:
         raise
     except RuntimeError as err:  # Gloo and NCCL raise RuntimeError (or DistError subclasses)
+        what = what() if callable(what) else what
         if TORCH_MISMATCH in str(err):  # torch's DETAIL verdict: a desync, not a death
-            raise CollectiveMismatchError(rank, what() if callable(what) else what, err) from err
-        raise CollectiveError(rank, what() if callable(what) else what, err) from err
+            raise CollectiveMismatchError(rank, what, err) from err
+        raise CollectiveError(rank, what, err, late) from err

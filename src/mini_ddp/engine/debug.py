@@ -35,7 +35,7 @@ from mini_ddp.engine.fingerprint import Fingerprints
 from mini_ddp.engine.grad_watch import GradWatch
 from mini_ddp.engine.rank_board import RankBoard
 from mini_ddp.engine.replicas import ReplicaCheck
-from mini_ddp.engine.stall import ask_stacks
+from mini_ddp.engine.stacks import ask_stacks
 
 ENV = "MINI_DDP_DEBUG"
 SWITCH = "MINI_DDP_DEBUG=1 (or DataParallelModel(debug=True), or TORCH_DISTRIBUTED_DEBUG=DETAIL)"

@@ -51,6 +51,7 @@ from mini_ddp.engine.comm import (
 from mini_ddp.engine.config import MIB, DataParallelConfig
 from mini_ddp.engine.debug import SyncChecks, debug_requested
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
+from mini_ddp.engine.flight_log import FlightLog
 from mini_ddp.engine.hooks import (
     CommHook,
     builtin_comm_hook,
@@ -65,7 +66,7 @@ from mini_ddp.engine.mixed_precision import (
 )
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.reducer import Reducer
-from mini_ddp.engine.stall import FlightLog, StallMonitor
+from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.engine.torch_api import (
     MODEL_REFUSAL,
     TORCH_INTERNALS,
