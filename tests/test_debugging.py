@@ -17,7 +17,12 @@ from helpers.classic_bugs import run_bug
 
 from mini_ddp import RanksFailed, run_ranks
 from mini_ddp.engine.debug import debug_requested
-from mini_ddp.errors import TORCH_MISMATCH, CollectiveMismatchError, naming_collective
+from mini_ddp.errors import (
+    TORCH_MISMATCH,
+    CollectiveError,
+    CollectiveMismatchError,
+    naming_collective,
+)
 
 # (bug, debug switch, extra environment) of each job
 JOBS = {
@@ -191,3 +196,24 @@ def test_the_page_snippet_runs(one_rank_group):
     model = env["model"]
     assert model.config.debug and model.sync_checks.debug
     model(torch.randn(3, 4)).sum().backward()  # one rank: nothing to compare, nothing waits
+
+
+def test_a_backend_timeout_is_not_blamed_on_a_death():
+    """Without the switch, a collective the backend timed out (every connection still open:
+    uneven inputs, a forward or collective on one rank, a stuck rank) names those causes and
+    the switch; a closed connection still reads as a death."""
+    timed_out = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
+                             "15000ms for send operation to complete")
+    with pytest.raises(CollectiveError) as caught, naming_collective(0, "a broadcast"):
+        raise timed_out
+    text = str(caught.value)
+    assert "Timed out waiting 15000ms for send operation to complete. No rank closed its " \
+        "connection" in text, text
+    assert "uneven inputs" in text and "with model.join():" in text, text
+    assert "a forward through the wrapper or a collective on some ranks only" in text, text
+    assert "MINI_DDP_DEBUG=1" in text and "died" not in text, text
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:23950: "
+                         "Connection reset by peer")
+    with pytest.raises(CollectiveError) as caught, naming_collective(0, "a broadcast"):
+        raise reset
+    assert "Another rank has most likely died" in str(caught.value)

@@ -353,8 +353,17 @@ def _detail_verdict() -> None:
                            "collective: CollectiveFingerPrint(SequenceNumber=0OpType=GATHER).")
 
 
+def _backend_timeout() -> None:
+    """Gloo's own timeout inside one of mini_ddp's collectives (tests/test_debugging.py and
+    docs/debugging.md's uneven-inputs row show it in a real run)."""
+    with naming_collective(0, "the broadcast of rank 0's 3 buffers before forward"):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
+                           "15000ms for send operation to complete")
+
+
 NO_GROUP: dict[str, Callable[[], object]] = {
     "torch's DETAIL check found different collectives": _detail_verdict,
+    "A collective timed out, with every connection open": _backend_timeout,
     "`run_ranks`: a rank failed": lambda: run_ranks(_failing_rank, 1, timeout_s=60),
     "`mini_ddp.transport.local_comm` arguments": lambda: local_comm.gather([], "cpu"),
     "Sparse tensors to `local_comm` on CPU": lambda: local_comm.broadcast_coalesced(

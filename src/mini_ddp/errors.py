@@ -126,6 +126,15 @@ def describe_bucket(bucket: Any, names: list[str], num_buckets: int) -> str:
             f"{', …' if len(bucket.param_indices) > 6 else ''})")
 
 
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+UNEVEN_FIX = ("give every rank the same number of batches — DistributedSampler(dataset, "
+              "drop_last=True) (and a DataLoader without a partial last batch) — or wrap the "
+              "training loop in `with model.join():`")
+"""The fix for uneven inputs, as every message that suspects them words it."""
+DEBUG_HINT = ("MINI_DDP_DEBUG=1 names which of these it is, with each rank's step "
+              "(docs/debugging.md).")
+
+
 class CollectiveError(MiniDDPError):
     """A collective failed or timed out: most often another rank died, hung or was killed.
 
@@ -152,6 +161,21 @@ class CollectiveError(MiniDDPError):
                 + after)
             return
         unknown = f" {self.peers}" if self.peers else ""  # the store did not answer
+        if _TIMED_OUT.search(reason):
+            # The backend's own deadline: every connection is still open, so no rank exited
+            # or was killed (its sockets close at once and read as "reset"/"closed by peer"):
+            # "most likely died" would send the user after a crash that did not happen.
+            super().__init__(
+                f"mini_ddp: rank {rank}: {what} failed: {reason}. No rank closed its "
+                "connection (a rank that exits or is killed closes it at once): the others "
+                f"are stuck or slow{' (the lines below name the late ranks)' if late else ''}, "
+                "unreachable (a lost host or network), or alive and running a different "
+                "collective: uneven inputs (one rank ran more "
+                f"steps: {UNEVEN_FIX}), a forward through the wrapper or a collective on some "
+                f"ranks only.{unknown} {DEBUG_HINT} This process group cannot be used any more; "
+                "restart the job (e.g. torchrun --max-restarts=N) and resume from the last "
+                "checkpoint." + after)
+            return
         super().__init__(
             f"mini_ddp: rank {rank}: {what} failed: {reason}. Another rank has most likely "
             "died (killed, out of memory, crashed), hung, or lost its connection: its own log "

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mini_ddp.errors import MiniDDPError
+from mini_ddp.errors import UNEVEN_FIX, MiniDDPError
 
 logger = logging.getLogger("mini_ddp")
 
@@ -52,9 +52,6 @@ _COLLECTIVES = {"all_reduce", "broadcast", "barrier", "all_gather", "all_gather_
                 "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
                 "all_to_all", "all_to_all_single", "all_gather_object", "broadcast_object_list",
                 "monitored_barrier", "send", "recv"}
-UNEVEN_FIX = ("give every rank the same number of batches — DistributedSampler(dataset, "
-              "drop_last=True) (and a DataLoader without a partial last batch) — or wrap the "
-              "training loop in `with model.join():`")
 EVAL_FIX = ("to evaluate on one rank, call model.module(x) under torch.no_grad() (the wrapper's "
             "forward is a collective step: every rank must run it); or evaluate on every rank")
 
