@@ -57,8 +57,12 @@ class DataParallelConfig:
     """Include buffers in the initial broadcast (DDP: follows ``broadcast_buffers``)."""
 
     forward_sync_buffers: bool = True
-    """Broadcast rank 0's buffers (BatchNorm statistics, …) before each forward that runs with
-    grad enabled — except right after a forward under ``no_grad`` or ``no_sync()``, as DDP."""
+    """Broadcast rank 0's buffers (BatchNorm statistics, …) before the first forward and before
+    each forward that follows a synchronised, grad-enabled one — also when this forward runs
+    under ``no_grad`` (an evaluation right after a training step broadcasts too, so it is a
+    collective: run it on every rank, or call ``model.module``) — and not right after a forward
+    under ``no_grad`` or ``no_sync()``. This is DDP's rule: torch sets
+    ``require_forward_param_sync`` after each forward from whether that forward synchronised."""
 
     sync_timeout_s: float | None = None
     """How long the end of backward waits for one bucket's collective (counted from the start
