@@ -136,6 +136,8 @@ class ReplicaCheck:
             return  # not an armed backward (no_sync, a backward of the bare module)
         if self._first_step is None:
             self._first_step = model.reducer.step.num_iterations
+        if grad is None:
+            return  # an output left out of the loss: autograd hands the hook no gradient
         if index not in self._first:
             self._first[index] = [float(grad.sum(dtype=torch.float64)),
                                   float(grad.abs().sum(dtype=torch.float64))] \
