@@ -7,11 +7,12 @@ reader may hold that file beside this one (docs/architecture.md has the glossary
 1. :meth:`Reducer.autograd_hook` — a post-hook on the parameter's ``AccumulateGrad`` node
    fires once autograd has written ``param.grad``. It calls
    :meth:`~Reducer.mark_variable_ready`.
-2. :meth:`~Reducer.mark_variable_ready` copies the gradient into its bucket view,
-   *multiplied* by ``1/world_size`` (DDP's exact arithmetic, in :meth:`~Reducer.copy_grad_in`,
-   the one place gradients are scaled), and counts the bucket down. A full bucket is launched
-   as soon as every earlier bucket has been (:meth:`~Reducer.mark_bucket_ready`): always in
-   bucket order, so every rank issues the same collectives in the same order.
+2. :meth:`~Reducer.mark_variable_ready` copies the gradient into its bucket view
+   (:meth:`~Reducer.copy_grad_in`) and counts the bucket down. A full bucket is *multiplied*
+   by ``1/world_size`` at once (:meth:`~Reducer.scale_bucket`: DDP multiplies each gradient
+   while copying it in — the same kernel and scalar per element, so the same bits) and is
+   launched as soon as every earlier bucket has been (:meth:`~Reducer.mark_bucket_ready`):
+   always in bucket order, so every rank issues the same collectives in the same order.
 3. :meth:`~Reducer.all_reduce_bucket` launches it through the comm-hook door
    (:func:`mini_ddp.engine.hooks.launch_hook`, which runs a registered hook or the default
    all-reduce) — or, for two ranks on one machine, through shared memory

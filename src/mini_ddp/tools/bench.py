@@ -199,6 +199,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     cpus = os.cpu_count() or 1
     report: dict[str, Any] = {
         "machine": {"cpus": cpus, "platform": platform.platform(), "torch": torch.__version__,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "python": platform.python_version(), "backend": "gloo, CPU, 1 thread/rank",
                     "loadavg_start": os.getloadavg()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json_path", "plot_path")},
@@ -251,7 +252,8 @@ def _engine_row(r: dict[str, Any], e: str) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The tables printed at the end: one row per model, world size and engine; the sweep."""
     m = report["machine"]
-    lines = [f"# {m['cpus']} CPUs, {m['platform']}, torch {m['torch']}, {m['backend']}, load "
+    lines = [f"# {m['cpus']} CPUs ({m.get('cpu_capability', '?')}), {m['platform']}, torch "
+             f"{m['torch']}, {m['backend']}, load "
              f"avg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} (* oversubscribed), "
              f"malloc {report['settings'].get('malloc', 'default')}",
              "# model        ws engine                step ms  /ddp  IQR, blocks<ddp  /compute"
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                    "rounds per engine (0: not)")
     p.add_argument("--many-small", action="store_true",
                    help=f"the per-gradient regime: models {','.join(MANY_SMALL)}, engines "
-                   "torch_ddp,mini_ddp,compute, world sizes 2,3, 5 steps x 20 blocks, start-up "
+                   "torch_ddp,mini_ddp,compute, world sizes 2,3, 3 steps x 16 blocks, start-up "
                    "5 rounds, no memory, no sweep (other flags given after it still apply)")
     p.add_argument("--quick", action="store_true",
                    help="1 step x 3 blocks, world size 2, sweep caps 1,25: minutes, not hours")
@@ -392,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
         preset = {"--models": ("models", ",".join(MANY_SMALL)),
                   "--engines": ("engines", "torch_ddp,mini_ddp,compute"),
-                  "--world-sizes": ("world_sizes", "2,3"), "--steps": ("steps", 5),
-                  "--blocks": ("blocks", 20), "--startup-rounds": ("startup_rounds", 5),
+                  "--world-sizes": ("world_sizes", "2,3"), "--steps": ("steps", 3),
+                  "--blocks": ("blocks", 16), "--startup-rounds": ("startup_rounds", 5),
                   "--sweep-world-size": ("sweep_world_size", 0)}
         for flag, (dest, value) in preset.items():
             if flag not in given:
