@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mini_ddp
 from mini_ddp import DataParallelModel, run_ranks
@@ -171,3 +172,36 @@ def test_one_gradients_default_path_is_short_and_the_page_names_it():
     assert not unnamed, (
         f"a default step runs engine functions docs/architecture.md's path table leaves out: "
         f"{unnamed}")
+
+
+class _CountMuls(TorchDispatchMode):
+    """Counts the multiplications dispatched while it is active (any thread autograd uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.muls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_):
+            self.muls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_default_path_scales_each_bucket_once_not_each_gradient(one_rank_group):
+    # DDP multiplies every gradient by 1/world_size on its way into the bucket; the default
+    # path multiplies each full bucket once instead (same kernel, same scalar, same bits: the
+    # parity suites). Counted against a no_sync() backward of the same model, which runs no
+    # reducer work: the difference is the reducer's multiplies.
+    torch.manual_seed(0)
+    model = DataParallelModel(nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]))
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the second forward rebuilds the buckets: count the steady state
+        model(x).sum().backward()
+    with model.no_sync():
+        with _CountMuls() as local:
+            model(x).sum().backward()
+    with _CountMuls() as synced:
+        model(x).sum().backward()
+    buckets = len(model.reducer.layout.buckets)
+    assert len(list(model.parameters())) == 12 and buckets == 1
+    assert synced.muls - local.muls == buckets, (synced.muls, local.muls)
