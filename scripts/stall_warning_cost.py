@@ -35,17 +35,37 @@ def _rank(ctx, pairs: int) -> dict:
                "off": DataParallelModel(copy.deepcopy(base), bucket_cap_mb=1,
                                         stall_warning_s=None)}
     assert engines["on"].stall_monitor is not None and engines["off"].stall_monitor is None
-    x, y = torch.randn(32, 256), torch.randint(0, 10, (32,))
-    times: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
-    for i in range(pairs + 10):
-        for name in ("on", "off") if i % 2 else ("off", "on"):
+    return paired_steps(engines, torch.randn(32, 256), torch.randint(0, 10, (32,)), pairs, 10)
+
+
+def paired_steps(engines: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, pairs: int,
+                 warmup: int) -> dict[str, list[tuple[float, float]]]:
+    """``(wall, CPU)`` seconds of each engine's steps, the two engines alternating (their
+    order swapped every pair), after ``warmup`` untimed pairs."""
+    first, second = engines
+    times: dict[str, list[tuple[float, float]]] = {first: [], second: []}
+    for i in range(pairs + warmup):
+        for name in (first, second) if i % 2 else (second, first):
             model = engines[name]
             wall, cpu = time.perf_counter(), time.process_time()
             F.cross_entropy(model(x), y).backward()
             model.zero_grad(set_to_none=True)
-            if i >= 10:  # warm-up: the bucket rebuild, first allocations
+            if i >= warmup:  # warm-up: the bucket rebuild, first allocations
                 times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     return times
+
+
+def print_ratios(results: list[dict[str, list[tuple[float, float]]]]) -> None:
+    """Each rank's median wall and CPU time per engine and the median per-pair ratio."""
+    for rank, times in enumerate(results):
+        first, second = times
+        for kind, what in ((0, "wall"), (1, "CPU")):
+            on = [t[kind] for t in times[first]]
+            off = [t[kind] for t in times[second]]
+            ratio = statistics.median(a / b for a, b in zip(on, off, strict=True) if b > 0)
+            print(f"  rank {rank} {what:>4}: {first} {1e3 * statistics.median(on):.3f} ms, "
+                  f"{second} {1e3 * statistics.median(off):.3f} ms, median ratio "
+                  f"{first}/{second} {ratio:.3f}")
 
 
 def main() -> None:
@@ -55,14 +75,7 @@ def main() -> None:
     results = run_ranks(_rank, 2, args=(args.pairs,), timeout_s=600)
     print(f"{args.pairs} paired steps per rank, world size 2, Gloo, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    for rank, times in enumerate(results):
-        for kind, what in ((0, "wall"), (1, "CPU")):
-            on = [t[kind] for t in times["on"]]
-            off = [t[kind] for t in times["off"]]
-            ratio = statistics.median(a / b for a, b in zip(on, off, strict=True) if b > 0)
-            print(f"  rank {rank} {what:>4}: on {1e3 * statistics.median(on):.3f} ms, "
-                  f"off {1e3 * statistics.median(off):.3f} ms, median ratio on/off "
-                  f"{ratio:.3f}")
+    print_ratios(results)
 
 
 if __name__ == "__main__":

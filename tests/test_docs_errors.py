@@ -14,6 +14,7 @@ import argparse
 import errno
 import os
 import pickle
+import signal
 import time
 from collections.abc import Callable
 from unittest import mock
@@ -22,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from docs_snippets import error_entries
+from helpers import classic_bugs
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
@@ -29,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from mini_ddp import (
     DataParallelModel,
     DesyncDetector,
+    RanksFailed,
     SharedMemoryAllreduce,
     StallWatchdog,
     check_in_sync,
@@ -36,6 +39,7 @@ from mini_ddp import (
     run_ranks,
 )
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
+from mini_ddp.errors import TORCH_MISMATCH, naming_collective
 from mini_ddp.ladder.naive import NaiveDataParallel
 from mini_ddp.observe.flight_recorder import flight_recorder
 from mini_ddp.tools import bench_models, parity
@@ -339,7 +343,27 @@ IN_PROCESS: dict[str, Callable[[], object]] = {
 }
 
 # Errors of helpers that need no process group.
+def _detail_verdict() -> None:
+    """torch's DETAIL verdict, as its ProcessGroupWrapper words it, inside one of mini_ddp's
+    collectives (tests/test_debugging.py provokes the real one)."""
+    with naming_collective(1, "the broadcast of rank 0's 3 buffers before forward"):
+        raise RuntimeError(f"{TORCH_MISMATCH} Rank 1 is running collective: "
+                           "CollectiveFingerPrint(SequenceNumber=13, OpType=BROADCAST, "
+                           "TensorShape=[32], TensorDtypes=Float), but Rank 0 is running "
+                           "collective: CollectiveFingerPrint(SequenceNumber=0OpType=GATHER).")
+
+
+def _backend_timeout() -> None:
+    """Gloo's own timeout inside one of mini_ddp's collectives (tests/test_debugging.py and
+    docs/debugging.md's uneven-inputs row show it in a real run)."""
+    with naming_collective(0, "the broadcast of rank 0's 3 buffers before forward"):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
+                           "15000ms for send operation to complete")
+
+
 NO_GROUP: dict[str, Callable[[], object]] = {
+    "torch's DETAIL check found different collectives": _detail_verdict,
+    "A collective timed out, with every connection open": _backend_timeout,
     "`run_ranks`: a rank failed": lambda: run_ranks(_failing_rank, 1, timeout_s=60),
     "`mini_ddp.transport.local_comm` arguments": lambda: local_comm.gather([], "cpu"),
     "Sparse tensors to `local_comm` on CPU": lambda: local_comm.broadcast_coalesced(
@@ -394,14 +418,23 @@ def _stall(ctx) -> str:
     return _late_peer(ctx, watchdog=True)
 
 
-def _dead_peer(ctx) -> str:
+def _finished_peer(ctx) -> str:
     model = DataParallelModel(nn.Linear(2, 2))
-    if ctx.rank == 1:  # leaves: its connections close
+    if ctx.rank == 1:  # finishes: it leaves its mark, then its connections close
         dist.destroy_process_group()
         return "left"
     time.sleep(1)
     err = _raised(lambda: model(torch.randn(1, 2)).sum().backward())
     return f"{type(err).__name__}|{err}"
+
+
+def _dead_peer(ctx) -> str:
+    model = DataParallelModel(nn.Linear(2, 2))
+    if ctx.rank == 1:  # dies: no mark, its connections close
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1)
+    err = _raised(lambda: model(torch.randn(1, 2)).sum().backward())
+    raise RuntimeError(f"{KILLED_MARK}{type(err).__name__}|{err}")  # run_ranks keeps no result
 
 
 def _desync(ctx) -> str:
@@ -411,6 +444,14 @@ def _desync(ctx) -> str:
             model.module.weight[0, 0] += 1  # a rank-local edit
     err = _raised(lambda: check_in_sync(model))
     return f"{type(err).__name__}|{err}"
+
+
+def _classic(ctx, bug: str, kind: str) -> str:
+    """A classic mistake of tests/helpers/classic_bugs.py under the debug switch: the error of
+    type ``kind`` (a rank told something else, e.g. Gloo's words when its peer left: "late")."""
+    error = classic_bugs.run_bug(ctx, bug, "mini", True)["error"] or ""
+    name, _, message = error.partition(": ")
+    return f"{name}|{message}" if name == kind else "late"
 
 
 def _shm(ctx, what: str) -> str:
@@ -451,8 +492,16 @@ TWO_RANKS: dict[str, Callable] = {
     "Ranks built different models": _mismatch,
     "A peer stopped answering": _timeout_rank,
     "A peer died": _dead_peer,
+    "A peer finished early": _finished_peer,
     "A stall, seen by the watchdog": _stall,
     "Replicas out of sync": _desync,
+}
+# Two-rank entries of the debug checks: the classic mistake that raises each.
+CLASSIC: dict[str, str] = {
+    "The ranks are about to run different collectives": "eval_forward",
+    "A peer did not reach a collective (debug switch)": "bypass",  # rank 0: "rank 1 reported"
+    "The replica check found different models": "param_added",
+    "A training forward bypassed the wrapper": "bypass",
 }
 # Two-rank entries of the shared-memory transport: the scenario of _shm that raises each.
 SHM: dict[str, str] = {
@@ -466,10 +515,11 @@ SHM: dict[str, str] = {
     "Shared-memory allocate from the transport's own thread": "worker thread",
 }
 NOT_INITIALISED = "Process group not initialised"
+KILLED_MARK = "survivor saw: "  # where _dead_peer's survivor puts what it caught
 
 
 def test_every_entry_has_a_trigger():
-    triggers = [*IN_PROCESS, *NO_GROUP, *TWO_RANKS, *SHM, NOT_INITIALISED]
+    triggers = [*IN_PROCESS, *NO_GROUP, *TWO_RANKS, *SHM, *CLASSIC, NOT_INITIALISED]
     assert len(triggers) == len(set(triggers))
     assert set(_entries()) == set(triggers)
 
@@ -497,11 +547,21 @@ def test_no_group_entry(title):
     assert text in str(err), f"{title}: {err}"
 
 
-@pytest.mark.parametrize("title", sorted([*TWO_RANKS, *SHM]))
-def test_two_rank_entry(title):
+@pytest.mark.parametrize("title", sorted([*TWO_RANKS, *SHM, *CLASSIC]))
+def test_two_rank_entry(title, tmp_path):
     kind, text = _entries()[title]
-    fn, args = (_shm, (SHM[title],)) if title in SHM else (TWO_RANKS[title], ())
-    for result in run_ranks(fn, 2, args=args, timeout_s=60):
+    fn, args = (_shm, (SHM[title],)) if title in SHM else \
+        (_classic, (CLASSIC[title], kind)) if title in CLASSIC else (TWO_RANKS[title], ())
+    env = {"MINI_DDP_FLIGHT_DIR": str(tmp_path)}  # dumps of asked ranks
+    if fn is _dead_peer:
+        with pytest.raises(RanksFailed) as failed:
+            run_ranks(fn, 2, args=args, timeout_s=60, env=env)
+        results = [failed.value.failures[0].rsplit(KILLED_MARK, 1)[-1]]
+    else:
+        results = run_ranks(fn, 2, args=args, timeout_s=60, env=env)
+    if title in CLASSIC:
+        assert set(results) != {"late"}, f"{title}: no rank raised {kind}"
+    for result in results:
         if result in ("late", "left"):
             continue
         got_kind, _, message = result.partition("|")

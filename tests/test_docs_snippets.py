@@ -20,7 +20,7 @@ from torch import nn
 
 PAGES = ["../README.md", "quickstart.md", "tutorial.md", "comm_hooks.md", "collectives.md",
          "multi_device.md", "gpus.md", "errors.md", "limitations.md", "performance.md",
-         "parity.md", "launching.md", "api.md"]
+         "parity.md", "launching.md", "api.md", "debugging.md"]
 BLOCKS = [(page, i, block) for page in PAGES if (DOCS / page).exists()
           for i, block in enumerate(code_blocks(page))]
 

@@ -57,6 +57,9 @@ ALLOWED: dict[str, str] = {
                           "previous one",
     "checksum mismatch (file corrupted)": "as above: load_checkpoint logs it and goes on",
     "SystemExit(main())": "a command's exit status, not an error",
+    "the rendezvous store did not answer within": "never reaches the user: every caller on the "
+                                                  "observing side turns it into one log line",
+    "the rendezvous store failed": "as above: one log line, never raised to the user",
     "not a shape": "an argparse type: argparse prints it as the usage error of --input-shape",
     "unknown --inject-bug": "the parity tool's test-only option (tests/test_parity_cli.py)",
 }

@@ -55,7 +55,7 @@ def _cases(ctx):
     handler = logging.Handler()
     handler.emit = lambda record: logs.append(record.getMessage())
     logging.getLogger("mini_ddp").addHandler(handler)
-    logging.getLogger("mini_ddp").setLevel(logging.INFO)
+    logging.getLogger("mini_ddp").setLevel(logging.DEBUG)
     x = torch.randn(4, 16)
     out = {}
 

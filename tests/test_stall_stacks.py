@@ -14,7 +14,8 @@ import time
 import pytest
 from helpers.hang_scenarios import ANSWER_S, FUNCTIONS, LINES, SCENARIOS, WARN_S, run_hangs
 
-from mini_ddp.engine.stall import StallReport, describe_answer, format_stacks, thread_stacks
+from mini_ddp.engine.stacks import describe_answer, format_stacks, thread_stacks
+from mini_ddp.engine.stall import StallReport
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,8 @@ def test_wrapping_and_deleting_models_leaves_no_responder_thread(hangs):
 
 # ---- no processes ----------------------------------------------------------------------------
 def _parked_in_engine(event):  # stands for the autograd thread inside mini_ddp's engine
-    from mini_ddp.engine import stall
-    stall.threading.Event.wait(event)
+    from mini_ddp.engine import stacks
+    stacks.threading.Event.wait(event)
 
 
 def test_stacks_show_the_main_thread_and_threads_in_the_engine_only():

@@ -48,6 +48,8 @@ def _late_rank(ctx, stall_warning_s):
             time.sleep(LATE_S)
         loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
+    if model.stall_monitor is not None:  # the report runs beside the wait: let it finish
+        model.stall_monitor.settle(30)
     return {"warnings": [(r.levelno, r.getMessage()) for r in records], "grads": grads,
             "untouched": untouched}
 

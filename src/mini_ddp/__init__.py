@@ -8,11 +8,15 @@ rank harness the tests and tools are built on.
 
 from mini_ddp.engine.comm import ParameterMismatchError
 from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.engine.fingerprint import SyncMismatchError
+from mini_ddp.engine.grad_watch import WrapperBypassedError
 from mini_ddp.engine.hooks import CommHookTimeout, GradBucket, gloo_safe
 from mini_ddp.engine.model import DataParallelModel
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
+from mini_ddp.engine.replicas import ReplicasDifferError
 from mini_ddp.errors import (
     CollectiveError,
+    CollectiveMismatchError,
     GradSyncTimeout,
     MarkedTwiceError,
     MiniDDPError,
@@ -28,6 +32,7 @@ from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 __all__ = [
     "CollectiveError",
+    "CollectiveMismatchError",
     "CommHookTimeout",
     "DataParallelConfig",
     "DataParallelModel",
@@ -41,11 +46,14 @@ __all__ = [
     "ParameterMismatchError",
     "RankContext",
     "RanksFailed",
+    "ReplicasDifferError",
     "SharedMemoryAllreduce",
     "StallError",
     "StallWatchdog",
+    "SyncMismatchError",
     "TraceRecorder",
     "UnfinishedReductionError",
+    "WrapperBypassedError",
     "check_in_sync",
     "collective_hook",
     "explain",

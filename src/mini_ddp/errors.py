@@ -26,11 +26,23 @@ class UnfinishedReductionError(MiniDDPError):
 
     def __init__(self, rank: int, names: list[str], indices: list[int],
                  static_graph: bool = False, find_unused_parameters: bool = False,
-                 frozen: list[str] | None = None):
+                 frozen: list[str] | None = None, unfinished: list[str] | None = None):
         self.rank, self.names, self.indices = rank, names, indices
+        self.unfinished = unfinished or []
         listed = ", ".join(names[:20]) + (f", … ({len(names)} in all)" if len(names) > 20 else "")
         culprits = (f"The previous backward gave no gradient to these parameters on rank {rank}: "
                     f"{listed} (indices {indices[:20]}).")
+        if not names:
+            # Every gradient arrived, yet the reduction did not finish: the backward was cut
+            # short after its last gradient (a communication hook or a gradient hook raised,
+            # and the caller caught it and went on). Name what was left undone instead.
+            undone = "; ".join(self.unfinished[:6]) or "its end-of-backward wait"
+            culprits = (f"On rank {rank}, though, every parameter got its gradient in the "
+                        f"previous backward, but its reduction never finished: {undone} — the "
+                        "backward was interrupted (an exception raised in a communication hook "
+                        "or a gradient hook, caught and followed by a new forward). The other "
+                        "ranks may be waiting for this rank in that step: after such an error, "
+                        "restart the job (or every rank's step) instead of retrying on one rank.")
         # torch's sentences, verbatim (including its lower-case "this" and double space).
         if static_graph:
             why = ("This error indicates that your training graph has changed in this "
@@ -100,7 +112,8 @@ class GradSyncTimeout(MiniDDPError):
             f"mini_ddp: rank {rank} waited more than {timeout_s} s for {what}. Another rank "
             "is probably dead, stuck, or skipped this bucket (a parameter that got no gradient "
             "there). Raise DataParallelModel(sync_timeout_s=...) if steps are legitimately "
-            "this slow." + (f"\n{late}" if late else ""))
+            "this slow. If no rank is slow, MINI_DDP_DEBUG=1 names the usual mistakes behind "
+            "this (docs/debugging.md)." + (f"\n{late}" if late else ""))
 
 
 def describe_bucket(bucket: Any, names: list[str], num_buckets: int) -> str:
@@ -113,6 +126,15 @@ def describe_bucket(bucket: Any, names: list[str], num_buckets: int) -> str:
             f"{', …' if len(bucket.param_indices) > 6 else ''})")
 
 
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+UNEVEN_FIX = ("give every rank the same number of batches — DistributedSampler(dataset, "
+              "drop_last=True) (and a DataLoader without a partial last batch) — or wrap the "
+              "training loop in `with model.join():`")
+"""The fix for uneven inputs, as every message that suspects them words it."""
+DEBUG_HINT = ("MINI_DDP_DEBUG=1 names which of these it is, with each rank's step "
+              "(docs/debugging.md).")
+
+
 class CollectiveError(MiniDDPError):
     """A collective failed or timed out: most often another rank died, hung or was killed.
 
@@ -120,24 +142,100 @@ class CollectiveError(MiniDDPError):
     own message (kept whole as ``__cause__``).
     """
 
-    def __init__(self, rank: int, what: str, cause: BaseException):
+    def __init__(self, rank: int, what: str, cause: BaseException, late: str = ""):
         self.rank, self.what = rank, what
+        self.late = late  # the late ranks, when the backend's own timeout ended the wait
         # Gloo prefixes its source path and appends boilerplate; the middle is what happened.
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         reason = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)
         reason = reason.split(" This is typically caused by")[0].rstrip(" .")
+        # What the other ranks left in the store as they ended (a rank that finished is not
+        # a rank that died); "" when none did, or nobody registered a reader.
+        self.peers = _peer_notes(rank)
+        after = f"\n{late}" if late else ""
+        if self.peers and not self.peers.startswith("Whether another rank"):
+            super().__init__(
+                f"mini_ddp: rank {rank}: {what} failed: {reason}. What the other ranks left in "
+                f"the store: {self.peers} This process group cannot be used any more; restart "
+                "the job (e.g. torchrun --max-restarts=N) and resume from the last checkpoint."
+                + after)
+            return
+        unknown = f" {self.peers}" if self.peers else ""  # the store did not answer
+        if _TIMED_OUT.search(reason):
+            # The backend's own deadline: every connection is still open, so no rank exited
+            # or was killed (its sockets close at once and read as "reset"/"closed by peer"):
+            # "most likely died" would send the user after a crash that did not happen.
+            super().__init__(
+                f"mini_ddp: rank {rank}: {what} failed: {reason}. No rank closed its "
+                "connection (a rank that exits or is killed closes it at once): the others "
+                f"are stuck or slow{' (the lines below name the late ranks)' if late else ''}, "
+                "unreachable (a lost host or network), or alive and running a different "
+                "collective: uneven inputs (one rank ran more "
+                f"steps: {UNEVEN_FIX}), a forward through the wrapper or a collective on some "
+                f"ranks only.{unknown} {DEBUG_HINT} This process group cannot be used any more; "
+                "restart the job (e.g. torchrun --max-restarts=N) and resume from the last "
+                "checkpoint." + after)
+            return
         super().__init__(
             f"mini_ddp: rank {rank}: {what} failed: {reason}. Another rank has most likely "
             "died (killed, out of memory, crashed), hung, or lost its connection: its own log "
-            "says why. This process group cannot be used any more; restart the job (e.g. "
-            "torchrun --max-restarts=N) and resume from the last checkpoint.")
+            f"says why.{unknown} This process group cannot be used any more; restart the job "
+            "(e.g. torchrun --max-restarts=N) and resume from the last checkpoint." + after)
+
+
+_PEER_READERS: list[Callable[[int], str]] = []
+
+
+def explain_peers_with(reader: Callable[[int], str]) -> None:
+    """Make :class:`CollectiveError` ask ``reader(rank)`` what the other ranks did (the
+    engine's :func:`mini_ddp.engine.peers.explain_peers`: who finished, who failed). This
+    module is the lowest layer, so the reader is handed in rather than imported."""
+    if reader not in _PEER_READERS:
+        _PEER_READERS.append(reader)
+
+
+def _peer_notes(rank: int) -> str:
+    for reader in _PEER_READERS:
+        try:
+            text = reader(rank)
+        except Exception:  # noqa: BLE001 - the error is raised in any case, with what we know
+            continue
+        if text:
+            return text
+    return ""
+
+
+TORCH_MISMATCH = "Detected mismatch between collectives on ranks."
+"""How torch's ``ProcessGroupWrapper`` (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) opens its verdict."""
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
+                          r"SequenceNumber=(\d+),? ?OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?")
+
+
+class CollectiveMismatchError(MiniDDPError):
+    """torch's DETAIL check found that the ranks run different collectives, inside one of
+    mini_ddp's: the message opens with torch's verdict, verbatim, then says what it means."""
+
+    def __init__(self, rank: int, what: str, cause: BaseException):
+        self.rank, self.what = rank, what
+        text = str(cause).strip()
+        sides = "; ".join(f"rank {r}: {op.lower()}{f' of shape {shape}' if shape else ''} "
+                          f"(collective #{seq})" for r, seq, op, shape in _FINGERPRINT.findall(text))
+        super().__init__(
+            f"{text}\nmini_ddp: rank {rank}: {what} met a different collective on another rank "
+            f"(torch's TORCH_DISTRIBUTED_DEBUG=DETAIL check{': ' + sides if sides else ''}) — "
+            "no rank died: the ranks issue different collectives. Usual causes: a forward "
+            "through DataParallelModel on one rank only (evaluate with model.module(x) under "
+            "torch.no_grad()), uneven inputs (DistributedSampler(drop_last=True), or "
+            "model.join()), a collective run on some ranks only (run it on every rank). "
+            "See docs/debugging.md.")
 
 
 @contextmanager
-def naming_collective(rank: int, what: str | Callable[[], str]) -> Iterator[None]:
+def naming_collective(rank: int, what: str | Callable[[], str], late: str = "") -> Iterator[None]:
     """Re-raise a backend failure inside the block as :class:`CollectiveError` naming ``what``.
 
-    ``what`` may be a callable, so the hot path builds no message until something fails.
+    ``what`` may be a callable, so the hot path builds no message until something fails;
+    ``late``: lines naming the ranks that had not arrived (added after the message).
 
     torch DDP lets the raw backend error through (for Gloo: "Connection reset by peer" and a
     C++ source path), which says neither which collective nor which step failed.
@@ -147,4 +245,7 @@ def naming_collective(rank: int, what: str | Callable[[], str]) -> Iterator[None
     except MiniDDPError:
         raise
     except RuntimeError as err:  # Gloo and NCCL raise RuntimeError (or DistError subclasses)
-        raise CollectiveError(rank, what() if callable(what) else what, err) from err
+        what = what() if callable(what) else what
+        if TORCH_MISMATCH in str(err):  # torch's DETAIL verdict: a desync, not a death
+            raise CollectiveMismatchError(rank, what, err) from err
+        raise CollectiveError(rank, what, err, late) from err

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mini_ddp import DataParallelModel, MiniDDPError, RanksFailed, run_ranks
-from mini_ddp.engine.stall import ask_stacks
+from mini_ddp.engine.stacks import ask_stacks
 from mini_ddp.observe.flight_recorder import flight_recorder
 
 WARN_S = 2.0
@@ -157,6 +157,7 @@ def _job(ctx, outdir: str) -> None:
         loss = model(batch).sum()
         loss.backward()
         _STUCK["where"] = None
+        model.stall_monitor.settle(30)  # the report runs beside the wait: let it finish
         seen["scenarios"][name] = {"warnings": records[:], "step": model.reducer.step.num_iterations}
         time.sleep(0.5)  # a late answer (the GIL case) lands in this scenario's directory
     # GradSyncTimeout: a deadline shorter than the warning; rank 1 arrives after it, and after

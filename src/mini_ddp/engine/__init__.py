@@ -14,6 +14,8 @@ Off the main path:
 :mod:`.join` (uneven inputs), :mod:`.comm` (start-up broadcast), :mod:`.torch_api`
 (DDP's logging data, torch's reducer methods by name, refusals of torch's internals),
 :mod:`.config`, :mod:`.multi_device`, :mod:`.stall` (the stall warning, stack responder and
-flight recorder), :mod:`.delayed`, :mod:`.mixed_precision`. Imports only
+flight recorder), :mod:`.delayed`, :mod:`.mixed_precision`; the checks that name a user's
+mistake (docs/debugging.md): :mod:`.debug` (the switch), :mod:`.replicas`,
+:mod:`.fingerprint`, :mod:`.grad_watch`, over :mod:`.rank_board` (the store). Imports only
 :mod:`mini_ddp.transport` and :mod:`mini_ddp.errors`.
 """

@@ -436,9 +436,14 @@ class BucketLayout:
                     if p.grad is not None and not shares_storage(p.grad, bucket.buffer):
                         view.copy_(p.grad)
                         assign_grad(p, view)  # mixed precision: a param_dtype view
-        logger.info("mini_ddp rank %d bucket layout, %s:\n%s", self.rank,
-                    self.config.layout_reason(rebuilt),
-                    describe_layout(self.buckets, self.names))
+        # One line at INFO (torch DDP logs nothing here; scripts that set root logging to INFO
+        # should not get a table per rank); the table at DEBUG, and in ``explain``.
+        logger.info("mini_ddp rank %d: %d buckets %s (%s)", self.rank, len(self.buckets),
+                    "rebuilt" if rebuilt else "built", self.config.layout_reason(rebuilt))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("mini_ddp rank %d bucket layout, %s:\n%s", self.rank,
+                         self.config.layout_reason(rebuilt),
+                         describe_layout(self.buckets, self.names))
 
     def should_rebuild(self) -> bool:
         """DDP rebuilds once, in gradient-ready order, unless it searches for unused params."""

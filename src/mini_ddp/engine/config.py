@@ -57,8 +57,12 @@ class DataParallelConfig:
     """Include buffers in the initial broadcast (DDP: follows ``broadcast_buffers``)."""
 
     forward_sync_buffers: bool = True
-    """Broadcast rank 0's buffers (BatchNorm statistics, …) before each forward that runs with
-    grad enabled — except right after a forward under ``no_grad`` or ``no_sync()``, as DDP."""
+    """Broadcast rank 0's buffers (BatchNorm statistics, …) before the first forward and before
+    each forward that follows a synchronised, grad-enabled one — also when this forward runs
+    under ``no_grad`` (an evaluation right after a training step broadcasts too, so it is a
+    collective: run it on every rank, or call ``model.module``) — and not right after a forward
+    under ``no_grad`` or ``no_sync()``. This is DDP's rule: torch sets
+    ``require_forward_param_sync`` after each forward from whether that forward synchronised."""
 
     sync_timeout_s: float | None = None
     """How long the end of backward waits for one bucket's collective (counted from the start
@@ -103,6 +107,18 @@ class DataParallelConfig:
     shared_memory_min_bytes: int = 1 << 20
     """Smaller buckets stay on Gloo: the shared-memory path costs two small Gloo syncs and a
     thread hand-off per bucket, more than Gloo needs for a few KiB."""
+
+    debug: bool = False
+    """mini_ddp's debug switch (``DataParallelModel(debug=...)``; None there reads
+    ``MINI_DDP_DEBUG=1`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): collective fingerprints and
+    the local-gradient watch name an extra forward on one rank, uneven inputs, a collective on
+    some ranks only, where a NaN came from and a bypassed wrapper; the replica check raises
+    instead of warning (:mod:`mini_ddp.engine.debug`). Costs a store round trip per step."""
+
+    replica_check_every: int | None = 100
+    """Compare the ranks' parameters, buffers and train/eval modes at step 1 and every this
+    many synchronised steps, through the store (:mod:`mini_ddp.engine.replicas`); the first
+    step's local gradients too (identical data on every rank). None: off."""
 
     skip_all_reduce_unused_params: bool = False
     """Do not launch a bucket whose parameters are all unused this iteration (found unused by

@@ -49,7 +49,9 @@ from mini_ddp.engine.comm import (
     verify_params_across_ranks,
 )
 from mini_ddp.engine.config import MIB, DataParallelConfig
+from mini_ddp.engine.debug import SyncChecks, debug_requested
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
+from mini_ddp.engine.flight_log import FlightLog
 from mini_ddp.engine.hooks import (
     CommHook,
     builtin_comm_hook,
@@ -64,7 +66,7 @@ from mini_ddp.engine.mixed_precision import (
 )
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.reducer import Reducer
-from mini_ddp.engine.stall import FlightLog, StallMonitor
+from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.engine.torch_api import (
     MODEL_REFUSAL,
     TORCH_INTERNALS,
@@ -122,7 +124,11 @@ class DataParallelModel(DistributedDataParallel):
     opt-in (default False): ``.grad`` becomes a view of its bucket after the all-reduce instead
     of a copy of it (one gradient-sized copy less per step; its limits: docs/limitations.md);
     ``shared_memory_allreduce`` / ``shared_memory_min_bytes`` — two CPU ranks on one machine sum
-    buckets of at least that size through shared memory instead of Gloo (same bits).
+    buckets of at least that size through shared memory instead of Gloo (same bits);
+    ``debug`` — mini_ddp's debug switch (None: ``MINI_DDP_DEBUG=1`` or
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turn it on): the classic mistakes named with their fix;
+    ``replica_check_every`` — compare the ranks' parameters, buffers and modes every this many
+    steps (100; None: off). See docs/debugging.md and :mod:`mini_ddp.engine.debug`.
     """
 
     # ==== construction ========================================================================
@@ -139,7 +145,8 @@ class DataParallelModel(DistributedDataParallel):
                  forward_sync_buffers: bool | None = None, *,
                  sync_timeout_s: float | None = None, stall_warning_s: float | None = 60.0,
                  zero_copy_write_back: bool = False,
-                 shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20):
+                 shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20,
+                 debug: bool | None = None, replica_check_every: int | None = 100):
         # Not DistributedDataParallel.__init__: it would build torch's C++ reducer.
         nn.Module.__init__(self)
         Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.engine.join
@@ -214,7 +221,8 @@ class DataParallelModel(DistributedDataParallel):
             sync_timeout_s=sync_timeout_s, stall_warning_s=stall_warning_s,
             zero_copy_write_back=zero_copy_write_back,
             shared_memory_allreduce=shared_memory_allreduce,
-            shared_memory_min_bytes=shared_memory_min_bytes)
+            shared_memory_min_bytes=shared_memory_min_bytes, debug=debug_requested(debug),
+            replica_check_every=replica_check_every)
         self.config.resolve_sync_timeout(self.process_group)  # None: the group's timeout
         # torch DDP's attribute: torch.compile's DDPOptimizer splits graphs at this many bytes.
         self.bucket_bytes_cap = self.config.bucket_bytes_cap
@@ -274,6 +282,15 @@ class DataParallelModel(DistributedDataParallel):
             flight.watch(self.reducer)
         self.stall_monitor = None if self.config.stall_warning_s is None else StallMonitor(
             self.reducer, self.process_group, self.config.stall_warning_s).install()
+        # The checks that name a user's mistake (docs/debugging.md): the replica check always,
+        # the rest under the debug switch. Not in torch's python-reducer mode (no hooks run).
+        # A new reducer keeps the store key space of the old one: the ranks name it alike.
+        old = getattr(self, "sync_checks", None)
+        if old is not None:
+            old.remove()
+        self.sync_checks = None if self._use_python_reducer else SyncChecks(
+            self, self.config.debug, self.config.replica_check_every,
+            board=None if old is None else old.board)
         self._delay_all_reduce_enqueued = False
         if comm_hook is None:
             self._comm_hook_name = None
@@ -335,6 +352,14 @@ class DataParallelModel(DistributedDataParallel):
         if trace is not None:
             trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
+        checks = self.sync_checks
+        if checks is not None and checks.debug:  # before this forward's first collective
+            checks.before_collectives(grad_enabled, grad_enabled and
+                                      self.require_backward_grad_sync,
+                                      self.will_sync_module_buffers(),
+                                      self.reducer.step.num_iterations + (
+                                          grad_enabled and self.require_backward_grad_sync),
+                                      joining=self._join_config.enable)
         if grad_enabled and self.require_backward_grad_sync:
             reducer = self.reducer
             self._runtime_log.forward_started(reducer.step.num_iterations,
@@ -344,10 +369,13 @@ class DataParallelModel(DistributedDataParallel):
         joining.notify_forward(self)  # inside Join: "still training"; sets the grad divisor
         if grad_enabled:
             with self._runtime_log.recording_errors():  # e.g. an unfinished prior reduction
-                if self.reducer.rebuild_buckets_if_needed():
-                    logger.info("mini_ddp: buckets rebuilt in gradient-ready order.")
-        if self.will_sync_module_buffers():
+                self.reducer.rebuild_buckets_if_needed()  # logs its one line at INFO
+        broadcast = self.will_sync_module_buffers()
+        if broadcast:
             self.sync_buffers()
+        if checks is not None and grad_enabled and self.require_backward_grad_sync:
+            checks.after_buffer_sync(self.reducer.step.num_iterations, broadcast,
+                                     joining=self._join_config.enable)
         # Join's shadow all-reduces go through Gloo: so does every rank's backward meanwhile.
         self.reducer.use_transport = self.transport is not None and not self._join_config.enable
         if self._join_config.enable:
@@ -1002,7 +1030,7 @@ NOT_DEFAULT_GROUP = ("DDP Pickling/Unpickling are only supported when using DDP 
 
 # Live objects a copy cannot share or carry (groups, hooks, files, threads, a store); rebuilt
 # (or left off) by unpickling.
-_NOT_PICKLED = ("process_group", "reducer", "transport", "stall_monitor")
+_NOT_PICKLED = ("process_group", "reducer", "transport", "stall_monitor", "sync_checks")
 
 
 def check_default_group(process_group: dist.ProcessGroup | None) -> None:

@@ -76,7 +76,7 @@ from mini_ddp.errors import (
 from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmError
 from mini_ddp.transport.wait import wait_done
 
-OnStall = Callable[[Any, "bucketing.Bucket | None", "BaseException | None"], None]
+OnStall = Callable[[Any, "bucketing.Bucket | None", "BaseException | None"], "str | None"]
 OnTimeout = Callable[[Any, "bucketing.Bucket | None"], "tuple[str, dict[str, Any]]"]
 NOT_ASKED = ("  The late ranks were not asked where they are: no stall monitor runs "
              "(stall_warning_s=None), so no rank has a stack responder.")
@@ -242,7 +242,7 @@ class Reducer(TorchReducerAPI):
     ``step`` (:class:`StepState`) and ``unused_search``.
     """
 
-    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.stall.FlightLog), or None
+    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.flight_log.FlightLog), or None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
@@ -344,7 +344,19 @@ class Reducer(TorchReducerAPI):
             self.rank, [self.names[i] for i in missing], missing,
             static_graph=self.config.static_graph,
             find_unused_parameters=self.config.find_unused_parameters,
-            frozen=[self.names[i] for i in missing if not self.params[i].requires_grad])
+            frozen=[self.names[i] for i in missing if not self.params[i].requires_grad],
+            unfinished=self.unfinished_buckets())
+
+    def unfinished_buckets(self) -> list[str]:
+        """The buckets of the current backward whose reduction has not finished, in words
+        (for an error after an interrupted backward: never launched, or launched unwaited)."""
+        words = []
+        for bucket in self.layout.buckets:
+            if bucket.index >= self.step.next_bucket:
+                words.append(f"{self.describe(bucket)} was never launched")
+            elif bucket.future is not None:
+                words.append(f"{self.describe(bucket)} was launched but never waited for")
+        return words
 
     def rebuild_buckets_if_needed(self) -> bool:
         """Before a forward: check the last backward finished; rebuild buckets once."""
@@ -639,13 +651,15 @@ class Reducer(TorchReducerAPI):
             if self.flight is not None:  # what led here, for `python -m mini_ddp doctor`
                 self.flight.dump(f"GradSyncTimeout: {error}", **dumped)
             raise error
+        late = None
         if on_stall is not None:
             try:
                 future.wait()
             except Exception as error:  # noqa: BLE001 - raised again by the wait below
-                on_stall(self, bucket, error)  # a dead peer: the observer names it from marks
+                # A dead peer, or the backend's own timeout: the observer may name late ranks.
+                late = on_stall(self, bucket, error)
         # A dead peer fails the collective (Gloo notices a closed socket at once): name it.
-        with naming_collective(self.rank, lambda: self.describe(bucket)):
+        with naming_collective(self.rank, lambda: self.describe(bucket), late=late or ""):
             try:
                 return future.wait()
             except MiniDDPError as err:

@@ -9,11 +9,19 @@ parameters, and every rank that left no mark for this step — the rank that is 
 Then it keeps waiting: a slow rank that arrives late costs a log line, not the job (torch DDP
 waits for the process group's timeout, and so does ``sync_timeout_s`` by default).
 
+The report runs in a thread of its own, from a snapshot of the rank's state taken as the wait
+passes the limit, and every store call it makes has a deadline
+(:func:`mini_ddp.engine.bounded_store.bounded_store_call`): the wait, its deadline and training
+go on exactly as without the warning, and a store that is slow, frozen or gone costs one log
+line ("the rendezvous store did not answer within 2 s: no stall report this time"). As each
+rank's models are watched, the rank also leaves a mark as it finishes
+(:mod:`mini_ddp.engine.peers`), so that a peer that finished is not reported as dead.
+
 This is Horovod's stall check, without its coordinator: each waiting rank asks the store.
 It then asks each late rank *where* it is — its Python stacks, answered by the rank's stack
-responder thread (:class:`StackResponder`, below) through the same store — and puts
+responder thread (:class:`mini_ddp.engine.stacks.StackResponder`) through the same store — and puts
 them in the report, or says the rank did not answer (native code holding the GIL, or dead).
-Every rank involved writes its flight recorder dump (:class:`FlightLog`, below), for
+Every rank involved writes its flight recorder dump (:class:`mini_ddp.engine.flight_log.FlightLog`), for
 ``python -m mini_ddp doctor DIR``.
 
 Cost on the happy path: nothing per step — no collective, no store access; the store is used
@@ -21,564 +29,39 @@ only once a wait has passed the limit (or ``sync_timeout_s`` has:
 :meth:`StallMonitor.on_timeout` asks the late ranks too). Installing starts the responder (one
 daemon thread blocked in one ``store.wait`` on its own connection) and the flight log (a
 ``deque.append`` per collective). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on
-this class: it
-leaves marks at every bucket launch (so the report can say which parameters a rank never
-produced) and can raise instead of warn.
-
-**Where is a rank?** Its Python stack, asked for through the process group's store.
-
-When a stall warning names a late rank, the waiting rank asks that rank *where* it is, the way
-``py-spy dump`` would, but without logging into its host: every rank of a model runs one small
-daemon thread, a :class:`StackResponder`, that blocks in ``store.wait`` on its own request key
-(``ask/<rank>``). :func:`ask_stacks` sets that key; the responder wakes, formats the Python stacks
-of the threads that matter — the main thread, and any other thread inside mini_ddp's gradient
-path (the thread running backward, when it is not the main one) — with :mod:`traceback`, and
-writes them under ``stack/<rank>``. It works across hosts and on every backend, because the
-only channel is the store every rank already shares.
-
-Cost on the happy path: none per step. The responder's one ``store.wait`` sits on a connection
-of its own (a TCPStore client serialises its requests, so a wait on the shared connection would
-block every other store call of the process); the thread holds no lock and never runs until
-asked. Asking costs, per late rank: one ``add`` and one ``set`` from each asker, the responder's
-``get``/``delete``/``add``/``set`` (requests that arrive together are answered once), and the
-asker's polls of the answer key every 50 ms until it comes (usually within one poll) or
-``answer_s`` passes. See docs/reliability.md for how that scales.
-
-A rank whose threads cannot run Python — stuck in native code that holds the GIL, or dead —
-cannot answer; :func:`ask_stacks` then says so ("did not answer within N s").
-
-**The flight recorder**: each rank's last N collectives, dumped when sync goes wrong.
-
-Every model watched by the stall warning keeps a :class:`FlightLog` on its reducer: a ring
-buffer (``collections.deque(maxlen=N)``) of the collectives the engine launched (:data:`OPS`:
-the bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter map, the
-rebuilt bucket layout, join's collectives) — sequence number, which one, step, bucket, bytes,
-when it launched and when it completed. Recording is one list and one ``deque.append`` per
-launch, and a stamp when the engine's wait for it returns (a collective nobody waits for is
-asked at dump time).
-
-A dump writes this rank's ring, its own Python stacks and why it dumped into a directory: the
-keyword ``dump_dir`` (:func:`mini_ddp.observe.flight_recorder.flight_recorder`), else the
-environment variable ``MINI_DDP_FLIGHT_DIR``, else ``./mini_ddp_flight`` — created only when a
-dump happens. Two files per rank:
-
-* ``rank<R>.json`` — mini_ddp's format, read by ``python -m mini_ddp doctor DIR``;
-* ``mini_ddp_fr_<R>`` — torch's flight-recorder format (a pickle of ``{"version",
-  "pg_config", "entries"}``, one entry per collective with ``collective_seq_id``, sizes, dtypes
-  and state), so torch's own analyser reads the same dumps:
-  ``python -m torch.distributed.flight_recorder.fr_trace DIR``.
-
-A rank dumps on a stall warning (the waiting ranks, and every late rank when it is asked for
-its stack), on ``GradSyncTimeout``, on a failed collective, and on demand: ``kill -USR1 <pid>``
-when ``MINI_DDP_FLIGHT_SIGNAL=1`` is set or :func:`install_dump_signal` was called (the handler
-is installed when the main thread creates the first log and SIGUSR1 has no other Python
-handler; Python runs it in the main thread, so a main thread blocked inside a C call dumps when
-that call returns — the store-based ask does not wait for that).
+this class: it leaves marks at every bucket launch (so the report can say which parameters a
+rank never produced) and can raise instead of warn.
 """
 
 from __future__ import annotations
 
-import atexit
-import collections
-import datetime
 import itertools
 import json
 import logging
 import os
-import pickle
-import signal
-import socket
-import sys
-import sysconfig
 import threading
 import time
-import traceback
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from mini_ddp.engine.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
+from mini_ddp.engine.flight_log import FlightLog, install_dump_signal
+from mini_ddp.engine.peers import PeerState, peer_states, watch
+from mini_ddp.engine.stacks import (
+    ANSWER_S,
+    TIMEOUT_ANSWER_S,
+    StackResponder,
+    ask_stacks,
+    describe_answer,
+    start_responder,
+)
+
 logger = logging.getLogger("mini_ddp")
 
 
-# ---- where is a rank: the stack responder ----------------------------------------------
-
-ANSWER_S = 5.0
-"""How long an asker waits for a rank's stack before naming it as one that did not answer."""
-TIMEOUT_ANSWER_S = 1.0
-"""The same, for the ask of a ``GradSyncTimeout``: the deadline has already passed, and a rank
-whose responder runs answers within a poll or two."""
-MAX_FRAMES = 14
-"""Innermost frames kept per thread (the outer ones are the launcher's and the harness's)."""
-_POLL_S = 0.05
-_WAIT = datetime.timedelta(hours=12)  # the responder's store.wait: re-armed when it expires
-_ENGINE_DIR = str(Path(__file__).resolve().parent)
-_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
-                      | {str(Path(__file__).resolve().parents[1])})
-
-
-def _in_library(filename: str) -> bool:
-    return filename.startswith(_LIBRARY_DIRS) or filename.startswith("<")
-
-
-def thread_stacks(skip: int | None = None) -> list[dict[str, Any]]:
-    """This process's stacks worth showing: the main thread, and every other thread with a
-    frame in mini_ddp's engine (where gradient hooks and the end-of-backward wait run).
-
-    Each entry: ``{"thread", "main", "frames": [[file, line, function, source], ...],
-    "where": "function (file:line)"}`` — frames oldest first (as a Python traceback), at most
-    :data:`MAX_FRAMES`; ``where`` is the innermost frame outside torch, mini_ddp and the
-    standard library (the user's line), else the innermost frame. ``skip``: a thread ident
-    to leave out (the responder's own).
-    """
-    names = {t.ident: t.name for t in threading.enumerate()}
-    main = threading.main_thread().ident
-    found = []
-    for ident, frame in sys._current_frames().items():
-        if ident == skip:
-            continue
-        summary = traceback.extract_stack(frame)
-        if ident != main and not any(f.filename.startswith(_ENGINE_DIR) for f in summary):
-            continue
-        # From the first frame of the user's own (the launcher's bootstrap before it is noise).
-        first = next((i for i, f in enumerate(summary) if not _in_library(f.filename)), 0)
-        frames = [[f.filename, f.lineno, f.name, (f.line or "").strip()]
-                  for f in summary[first:][-MAX_FRAMES:]]
-        user = next((f for f in reversed(summary) if not _in_library(f.filename)),
-                    summary[-1] if summary else None)
-        found.append({"thread": names.get(ident, str(ident)), "main": ident == main,
-                      "frames": frames,
-                      "where": "" if user is None
-                      else f"{user.name} ({user.filename}:{user.lineno})"})
-    found.sort(key=lambda t: not t["main"])
-    return found
-
-
-def _short(path: str) -> str:
-    """``path`` relative to the current directory when it lies below it (as pytest shows)."""
-    here = os.getcwd() + os.sep
-    return path[len(here):] if path.startswith(here) else path
-
-
-def format_stacks(threads: list[dict[str, Any]], indent: str = "    ") -> str:
-    """The text of :func:`thread_stacks`' result, most recent call last, one line a frame."""
-    lines = []
-    for t in threads:
-        where = t["where"]
-        if where.endswith(")") and " (" in where:
-            name, _, place = where[:-1].partition(" (")
-            where = f"{name} ({_short(place)})"
-        lines.append(f"{indent}thread {t['thread']!r}{' (main)' if t['main'] else ''}, "
-                     f"in {where}:")
-        for filename, line, function, source in t["frames"]:
-            lines.append(f"{indent}  {_short(filename)}:{line} in {function}"
-                         + (f": {source}" if source else ""))
-    return "\n".join(lines)
-
-
-class StackResponder:
-    """One rank's answering thread; ``stop()`` ends it (also called when the model goes).
-
-    ``store`` is the prefixed store the askers use; the responder waits on a clone of it (its
-    own connection). ``on_ask(stacks, request)`` runs in the thread after each answer — the
-    flight recorder dumps there — and is held weakly, so the thread keeps nothing alive.
-    """
-
-    def __init__(self, store: Any, rank: int,
-                 on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None):
-        self.rank = rank
-        self._stop = threading.Event()
-        own = store.clone()  # raises for stores that cannot open a second connection
-        # stop() wakes the thread through a connection of its own: by then the process group,
-        # and the connection it shares, may be destroyed (see _join_responders_at_exit).
-        self._waker = store.clone()
-        callback = None if on_ask is None else weakref.WeakMethod(on_ask) \
-            if hasattr(on_ask, "__self__") else (lambda: on_ask)
-        self.thread = threading.Thread(target=_serve, args=(own, rank, self._stop, callback),
-                                       name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
-        self.thread.start()
-        _THREADS.add(self.thread)
-
-    def stop(self) -> None:
-        """End the thread: set the stop flag, then wake its wait (idempotent, never raises)."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        try:
-            self._waker.set(f"ask/{self.rank}", json.dumps({"stop": True}))
-        except Exception:  # noqa: BLE001 - the store is gone: the thread's wait fails too
-            pass
-
-
-_RESPONDERS: weakref.WeakSet[StackResponder] = weakref.WeakSet()
-_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-_LAST_SERVE_END = [float("-inf")]  # monotonic time a responder thread last left _serve
-_THREAD_SETTLE_S = 0.25
-
-
-@atexit.register
-def _join_responders_at_exit() -> None:
-    """Stop every live responder and join every responder thread before the interpreter
-    finalises.
-
-    A daemon thread still inside the store's C++ wait when Python shuts down is ended by
-    forced unwinding through C++ frames on its way back to the GIL, and the process aborts
-    ("terminate called without an active exception") after the script has finished. A
-    responder stopped earlier (its model collected) may still be on its way out: it is
-    joined too.
-    """
-    for responder in list(_RESPONDERS):
-        responder.stop()
-    for thread in list(_THREADS):
-        thread.join(timeout=2.0)
-    # A joined thread has left Python, not yet its OS thread: C++ thread-local state (the
-    # store client's) is torn down after that. Exiting meanwhile runs static destructors under
-    # it and aborts the same way; a responder that ended moments ago gets that moment.
-    settle = _THREAD_SETTLE_S - (time.monotonic() - _LAST_SERVE_END[0])
-    if settle > 0:
-        time.sleep(settle)
-
-
-def start_responder(store: Any, rank: int, owner: Any,
-                    on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None
-                    ) -> StackResponder | None:
-    """A :class:`StackResponder` that stops when ``owner`` is garbage-collected (None when the
-    store cannot give the thread a connection of its own: then nobody can ask this rank)."""
-    try:
-        responder = StackResponder(store, rank, on_ask)
-    except Exception as error:  # noqa: BLE001 - e.g. a HashStore: stacks just go unasked
-        logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
-        return None
-    weakref.finalize(owner, responder.stop).atexit = False  # exit: _join_responders_at_exit
-    _RESPONDERS.add(responder)
-    return responder
-
-
-def _serve(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
-    try:
-        _serve_requests(store, rank, stop, callback)
-    finally:
-        _LAST_SERVE_END[0] = time.monotonic()
-
-
-def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
-    ask, count, answer = f"ask/{rank}", f"asked/{rank}", f"stack/{rank}"
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            store.wait([ask], _WAIT)
-        except Exception:  # noqa: BLE001 - expired (re-arm) or the store is gone (end)
-            if stop.is_set() or time.monotonic() - started < 60:
-                return  # not the long wait expiring: the store failed
-            try:
-                store = store.clone()  # a fresh connection: a timed-out one may be confused
-            except Exception:  # noqa: BLE001
-                return
-            continue
-        try:
-            request = json.loads(store.get(ask))
-            store.delete_key(ask)
-            if stop.is_set() or request.get("stop"):
-                return
-            generation = store.add(count, 0)  # every request counted so far gets this answer
-            stacks = thread_stacks(skip=threading.get_ident())
-            store.set(answer, json.dumps({"generation": generation, "time": time.time(),
-                                          "asked_at": request.get("time"), "stacks": stacks}))
-        except Exception:  # noqa: BLE001 - the store went away while answering
-            return
-        on_ask = None if callback is None else callback()
-        if on_ask is not None:
-            try:
-                on_ask(stacks, request)
-            except Exception:  # noqa: BLE001 - a failed dump must not end the responder
-                logger.exception("mini_ddp: rank %d could not write its flight recorder dump",
-                                 rank)
-
-
-def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,
-               asked_by: int | None = None, why: str = "") -> dict[int, dict[str, Any]]:
-    """Ask each of ``ranks`` for its stacks; wait up to ``answer_s`` for all of them.
-
-    Returns ``{rank: answer}``: an answer is ``{"answered": True, "stacks": [...], "time"}``, or
-    ``{"answered": False, "waited_s": answer_s}`` for a rank that did not answer in time.
-    """
-    now = time.time()
-    generations = {}
-    for rank in ranks:
-        generations[rank] = store.add(f"asked/{rank}", 1)
-        store.set(f"ask/{rank}", json.dumps({"from": asked_by, "time": now, "why": why,
-                                                  "answer_s": answer_s}))
-    found: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + answer_s
-    while True:
-        for rank in ranks:
-            key = f"stack/{rank}"
-            if rank in found or not store.check([key]):
-                continue
-            reply = json.loads(store.get(key))
-            if reply["generation"] >= generations[rank]:
-                found[rank] = {"answered": True, "stacks": reply["stacks"],
-                               "time": reply["time"]}
-        if len(found) == len(ranks) or time.monotonic() >= deadline:
-            break
-        time.sleep(_POLL_S)
-    for rank in ranks:
-        found.setdefault(rank, {"answered": False, "waited_s": answer_s})
-    return found
-
-
-def describe_answer(rank: int, answer: dict[str, Any]) -> str:
-    """The report's lines for one rank's answer (or its silence)."""
-    if not answer["answered"]:
-        return (f"    rank {rank} did not answer within {answer['waited_s']:g} s: no Python "
-                "thread of it can run (stuck in native code that holds the GIL), or its process "
-                "is gone")
-    return f"    where rank {rank} is (Python stacks, most recent call last):\n" + \
-        format_stacks(answer["stacks"], indent="      ")
-
-
-# ---- the flight recorder ----------------------------------------------------------------
-
-DEFAULT_ENTRIES = 2000
-"""Collectives kept per rank (torch's ``TORCH_NCCL_TRACE_BUFFER_SIZE`` default is 2000 too);
-``MINI_DDP_FLIGHT_ENTRIES`` overrides it."""
-DEFAULT_DIR = "mini_ddp_flight"
-TORCH_PREFIX = "mini_ddp_fr_"
-"""File-name prefix of the torch-format dumps (torch's analyser infers it from the names)."""
-TORCH_FORMAT_VERSION = "2.10"
-"""The flight-recorder format version the torch-format dumps declare (torch 2.14 reads it)."""
-
-# entry fields, kept as a list so the done-callback can stamp it in place; WORK: the work of a
-# collective nobody waits for (join's announcements), asked whether it is done at dump time
-SEQ, STEP, BUCKET, NBYTES, NUMEL, DTYPE, LAUNCHED, COMPLETED, STATE, OP, WORK = range(11)
-BUCKET_OP = "bucket_all_reduce"
-OPS = {
-    BUCKET_OP: ("all_reduce", "a bucket's all-reduce"),
-    "startup_broadcast": ("broadcast", "the start-up broadcast of rank 0's parameters and "
-                                       "buffers"),
-    "buffers_broadcast": ("broadcast", "the broadcast of the buffers before forward"),
-    "used_map_all_reduce": ("all_reduce", "the unused-parameter map all-reduce"),
-    "layout_broadcast": ("broadcast", "the broadcast of rank 0's rebuilt bucket layout"),
-    "join_notify_all_reduce": ("all_reduce", "join's count of the ranks still training"),
-    "join_sync_flag_all_reduce": ("all_reduce", "join's flag: does this backward synchronise"),
-    "join_common_rank_all_reduce": ("all_reduce", "join's choice of the authoritative rank"),
-    "join_final_broadcast": ("broadcast", "join's broadcast of the last joiner's model"),
-}
-"""Every collective the engine records: op name -> (torch's collective, the words for it).
-The bucket all-reduces, the parameter and buffer broadcasts, the used map of
-``find_unused_parameters`` / ``static_graph``, the broadcasts of the rebuilt bucket layout
-(two: its sizes, then the layout) and join's collectives. Not recorded (the same on every
-rank, so the numbering still agrees): the start-up check that every rank holds the same
-parameters, and the shared-memory transport's own synchronisation."""
-_LIVE: weakref.WeakSet[FlightLog] = weakref.WeakSet()
-_signal_installed = False
-_WRITES = itertools.count()
-
-
-class FlightLog:
-    """One reducer's ring of collectives, and how to dump it."""
-
-    def __init__(self, rank: int, world_size: int, group_name: str = "0", backend: str = "",
-                 entries: int | None = None, dump_dir: str | os.PathLike | None = None,
-                 reducer: Any = None):
-        size = entries or int(os.environ.get("MINI_DDP_FLIGHT_ENTRIES", DEFAULT_ENTRIES))
-        self.rank, self.world_size, self.group_name, self.backend = (rank, world_size,
-                                                                     group_name, backend)
-        self.ring: collections.deque[list] = collections.deque(maxlen=size)
-        self.dump_dir = dump_dir
-        self.seq = 0
-        self.step = 0  # kept up to date by the reducer's launches
-        self._open: dict[int, list] = {}  # bucket index -> its entry, until seen complete
-        # Read at dump time, weakly: the log must not keep its model alive.
-        self._reducer = None if reducer is None else weakref.ref(reducer)
-        # Reentrant: SIGUSR1's handler may run in the main thread in the middle of a dump.
-        self._lock = threading.RLock()
-        _LIVE.add(self)
-
-    @classmethod
-    def of_group(cls, group: Any, reducer: Any = None) -> FlightLog:
-        """A log for this rank of ``group`` (None: the default group)."""
-        group = group if group is not None else dist.group.WORLD
-        return cls(dist.get_rank(group), dist.get_world_size(group),
-                   str(getattr(group, "group_name", "0")), str(dist.get_backend(group)),
-                   reducer=reducer)
-
-    def watch(self, reducer: Any) -> None:
-        """Read ``reducer``'s progress at dump time (a log made before its reducer)."""
-        self._reducer = weakref.ref(reducer)
-
-    # ---- recording (the reducer's launch) -------------------------------------------------
-    def launched(self, step: int, bucket: Any) -> None:
-        """Record the launch of ``bucket``'s collective (state ``started``)."""
-        buffer = bucket.buffer
-        entry = [self.seq, step, bucket.index, bucket.nbytes, buffer.numel(), buffer.dtype,
-                 time.time_ns(), None, "started", BUCKET_OP, None]
-        self.seq += 1
-        self.step = step
-        self.ring.append(entry)
-        self._open[bucket.index] = entry
-
-    def started(self, op: str, step: int, tensor: Any, work: Any = None) -> list:
-        """Record the launch of one of the engine's other collectives, ``op`` (a key of
-        :data:`OPS`), on ``tensor`` (state ``started``); returns the entry for
-        :meth:`finished`. ``work``: the collective's work when nobody waits for it — asked at
-        dump time whether it has completed."""
-        numel = tensor.numel()
-        entry = [self.seq, step, None, numel * tensor.element_size(), numel, tensor.dtype,
-                 time.time_ns(), None, "started", op, work]
-        self.seq += 1
-        self.ring.append(entry)
-        return entry
-
-    @staticmethod
-    def finished(entry: list, state: str = "completed") -> None:
-        """The wait for ``entry``'s collective (from :meth:`started`) returned, or
-        (``state="failed"``) it failed: stamp the entry."""
-        entry[COMPLETED], entry[STATE], entry[WORK] = time.time_ns(), state, None
-
-    def completed(self, bucket_index: int, state: str = "completed") -> None:
-        """The reducer's wait for bucket ``bucket_index`` returned (or, ``state="failed"``, its
-        collective failed): stamp the entry. As torch's ``time_discovered_completed_ns``, this
-        is when the rank *saw* the completion — no callback runs on the backend's thread."""
-        entry = self._open.pop(bucket_index, None)
-        if entry is not None:
-            entry[COMPLETED], entry[STATE] = time.time_ns(), state
-
-    # ---- dumping ----------------------------------------------------------------------------
-    def directory(self) -> Path:
-        """Where dumps go: ``dump_dir``, else ``$MINI_DDP_FLIGHT_DIR``, else ./mini_ddp_flight."""
-        return Path(self.dump_dir or os.environ.get("MINI_DDP_FLIGHT_DIR") or DEFAULT_DIR)
-
-    def snapshot(self, reason: str, stacks: list[dict[str, Any]] | None = None,
-                 **extra: Any) -> dict[str, Any]:
-        """This rank's dump as a JSON-ready dict (``stacks`` default: taken now; ``extra``
-        entries are added as they are: ``report``, the stall report's text, and ``peers``,
-        ``{rank: answer}`` of the ranks it asked for their stacks)."""
-        ring = list(self.ring)  # an atomic copy
-        for e in ring:
-            work = e[WORK]
-            if work is not None and e[STATE] == "started" and work.is_completed():
-                self.finished(e)  # discovered now, as torch's time_discovered_completed_ns
-        entries = [{"seq": e[SEQ], "op": e[OP], "step": e[STEP], "bucket": e[BUCKET],
-                    "bytes": e[NBYTES], "numel": e[NUMEL],
-                    "dtype": str(e[DTYPE]).removeprefix("torch."), "launched_ns": e[LAUNCHED],
-                    "completed_ns": e[COMPLETED], "state": e[STATE]} for e in ring]
-        return {"format": "mini_ddp flight recorder", "version": 1, "rank": self.rank,
-                "world_size": self.world_size, "group": self.group_name,
-                "backend": self.backend, "host": socket.gethostname(), "pid": os.getpid(),
-                "time": time.time(), "reason": reason, "step": self.step,
-                "progress": self.progress(), "entries": entries,
-                "stacks": thread_stacks() if stacks is None else stacks,
-                "report": None, "peers": {}, **extra}
-
-    def progress(self) -> dict[str, Any]:
-        """Where the reducer is now: its step, the next bucket to launch, the buckets' names."""
-        reducer = None if self._reducer is None else self._reducer()
-        if reducer is None:
-            return {}
-        names = reducer.names
-        return {"step": reducer.step.num_iterations, "next_bucket": reducer.step.next_bucket,
-                "buckets": [[names[i] for i in b.param_indices] for b in reducer.layout.buckets]}
-
-    def dump(self, reason: str, stacks: list[dict[str, Any]] | None = None,
-             **extra: Any) -> Path | None:
-        """Write ``rank<R>.json`` and the torch-format file; return the JSON path (None and a
-        logged error when the directory cannot be written: a dump must not end the job)."""
-        dump = self.snapshot(reason, stacks, **extra)
-        folder = self.directory()
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with self._lock:  # the responder thread and the main thread may both dump
-                path = folder / f"rank{self.rank}.json"
-                _write_atomically(path, json.dumps(dump, indent=1).encode())
-                _write_atomically(folder / f"{TORCH_PREFIX}{self.rank}",
-                                  pickle.dumps(torch_format(dump)))
-        except OSError as error:
-            logger.error("mini_ddp: rank %d could not write its flight recorder dump to %s: %s",
-                         self.rank, folder, error)
-            return None
-        logger.info("mini_ddp: rank %d wrote its flight recorder dump (%s) to %s",
-                    self.rank, reason, path)
-        return path
-
-    def on_ask(self, stacks: list[dict[str, Any]], request: dict[str, Any]) -> None:
-        """The stack responder's callback: a peer asked where this rank is; dump, with the
-        stacks it was sent (and how late the answer came, when the asker had given up)."""
-        asked_at = request.get("time", time.time())
-        after = time.time() - asked_at
-        late = {"answered_late_s": round(after, 3)} if after > request.get("answer_s", after) \
-            else {}
-        self.dump(f"asked for its stack by rank {request.get('from')} "
-                  f"({request.get('why') or 'a stall'})", stacks, asked_at=asked_at, **late)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.{next(_WRITES)}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # a reader (the doctor) never sees half a file
-
-
-def torch_format(dump: dict[str, Any]) -> dict[str, Any]:
-    """``dump`` (from :meth:`FlightLog.snapshot`) in torch's flight-recorder format.
-
-    Each recorded collective becomes an entry of the group under torch's name for it
-    (``all_reduce`` for a bucket, the used map and join's counts; ``broadcast`` for the
-    parameter and buffer broadcasts: :data:`OPS`), its sequence number the
-    ``collective_seq_id`` (the analyser lines ranks up by it), its element count the input and
-    output size; states map to torch's (``started`` / ``completed``). What torch's format has
-    no field for (step, bucket, which of the engine's collectives, stacks, the stall report)
-    stays in the JSON dump.
-    """
-    backend = "nccl" if dump["backend"] == "nccl" else "gloo"
-    group = (dump["group"], "default_pg" if dump["group"] == "0" else dump["group"])
-    entries = []
-    for e in dump["entries"]:
-        done = e["completed_ns"]
-        entries.append({
-            "record_id": e["seq"], "pg_id": 0, "process_group": group,
-            "collective_seq_id": e["seq"], "p2p_seq_id": 0, "op_id": e["seq"],
-            "profiling_name": f"{backend}:{OPS.get(e.get('op', BUCKET_OP), OPS[BUCKET_OP])[0]}",
-            "time_created_ns": e["launched_ns"],
-            "input_sizes": [[e["numel"]]], "output_sizes": [[e["numel"]]],
-            "input_dtypes": [_TORCH_DTYPES.get(e["dtype"], e["dtype"])],
-            "output_dtypes": [_TORCH_DTYPES.get(e["dtype"], e["dtype"])],
-            "state": "completed" if e["state"] == "completed" else "started",
-            "time_discovered_started_ns": e["launched_ns"],
-            "time_discovered_completed_ns": done, "retired": done is not None,
-            "timeout_ms": 0, "is_p2p": False, "frames": [],
-            "duration_ms": None if done is None else (done - e["launched_ns"]) / 1e6})
-    ranks = str(list(range(dump["world_size"])))
-    return {"version": TORCH_FORMAT_VERSION, "entries": entries,
-            "pg_config": {group[0]: {"name": group[0], "desc": group[1], "ranks": ranks}},
-            "pg_status": {}}
-
-
-_TORCH_DTYPES = {"float32": "Float", "float64": "Double", "float16": "Half",
-                 "bfloat16": "BFloat16", "int64": "Long", "int32": "Int"}
-
-
-def dump_all(reason: str) -> list[Path]:
-    """Dump every live flight log of this process (what SIGUSR1 does)."""
-    return [p for log in list(_LIVE) if (p := log.dump(reason)) is not None]
-
-
-def install_dump_signal() -> bool:
-    """Make SIGUSR1 dump every flight log of this process, once, if allowed: only from the
-    main thread, and only while SIGUSR1 has its default action (a user's handler stays)."""
-    global _signal_installed
-    sig = getattr(signal, "SIGUSR1", None)
-    if _signal_installed or sig is None or threading.current_thread() is not \
-            threading.main_thread() or signal.getsignal(sig) is not signal.SIG_DFL:
-        return _signal_installed
-    signal.signal(sig, lambda *_: dump_all("on demand (SIGUSR1)"))
-    _signal_installed = True
-    return True
-
-
-# ---- the stall warning ------------------------------------------------------------------
 _SESSIONS = itertools.count()  # same sequence on every rank: monitors are made in lockstep
 ARRIVAL_GRACE_S = 2.0
 """How long a waiting rank gives its peers to leave their marks before naming those that did
@@ -685,6 +168,8 @@ class StallMonitor:
         self._responder: StackResponder | None = None
         self.answer_s = ANSWER_S  # how long a report waits for a late rank's stack
         self.timeout_answer_s = TIMEOUT_ANSWER_S  # the same, when sync_timeout_s has passed
+        self.call_s = STORE_CALL_S  # the deadline of each store call (bounded_store_call)
+        self._reporting: threading.Thread | None = None  # the slow wait's report, under way
 
     @property
     def reducer(self) -> Any:
@@ -708,6 +193,8 @@ class StallMonitor:
             r.on_stall, r.stall_after_s = self.on_stall, self.limit_s
             r.on_timeout = self.on_timeout
             self._start_flight_log_and_responder()
+            if hasattr(r, "layout"):  # a real reducer: its rank leaves a mark as it finishes
+                watch(r)
         return self
 
     def _start_flight_log_and_responder(self) -> None:
@@ -749,44 +236,124 @@ class StallMonitor:
         self.remove()
 
     # ---- marks ------------------------------------------------------------------------------
-    def publish(self, state: str, launched: int, **extra: Any) -> None:
-        """Leave this rank's mark: its step, how many buckets it launched, and ``state``."""
+    def snapshot(self, bucket: Any = None) -> dict[str, Any]:
+        """This rank's state now, for marks and reports made off the waiting thread: its
+        step, the next bucket to launch, the parameters still without a gradient, the buckets
+        not launched, and what ``bucket`` (None: the unused-parameter map) holds."""
         r = self.reducer
-        mark = {"step": r.step.num_iterations, "state": state, "launched": launched,
-                "buckets": len(r.layout.buckets), "time": time.time(), **extra}
+        buckets = r.layout.buckets
+        return {"rank": r.rank, "world_size": r.world_size, "step": r.step.num_iterations,
+                "next_bucket": r.step.next_bucket, "buckets": len(buckets),
+                "missing": self.missing(),
+                "pending": [b.index for b in buckets[r.step.next_bucket:]],
+                "bucket": None if bucket is None else bucket.index,
+                "params": [] if bucket is None else [r.names[i] for i in bucket.param_indices]}
+
+    def publish(self, state: str, launched: int, now: dict[str, Any] | None = None,
+                **extra: Any) -> None:
+        """Leave this rank's mark: its step, how many buckets it launched, and ``state``
+        (``now``: a :meth:`snapshot` taken earlier, default now). The store call has a
+        deadline of :attr:`call_s`: raises :class:`StoreUnanswered` when the store does not
+        take it."""
+        now = self.snapshot() if now is None else now
+        mark = {"step": now["step"], "state": state, "launched": launched,
+                "buckets": now["buckets"], "time": time.time(), **extra}
         if state in ("ended_unfinished", "waiting", "failed"):
-            mark["missing"] = self.missing()
-            mark["pending"] = [b.index for b in r.layout.buckets[r.step.next_bucket:]]
-        self.store.set(f"rank{r.rank}", json.dumps(mark))
+            mark["missing"], mark["pending"] = now["missing"], now["pending"]
+        key, payload = f"rank{now['rank']}", json.dumps(mark)
+        bounded_store_call(self.store, lambda s: s.set(key, payload), self.call_s,
+                           "this rank's stall mark")
 
     def missing(self) -> list[str]:
         """This rank's parameters that have no gradient yet in the current backward."""
         r = self.reducer
-        return [r.names[i] for i in range(len(r.params)) if i not in r.step.ready]
+        ready = set(r.step.ready)  # a copy: a report may run while backward goes on
+        return [r.names[i] for i in range(len(r.params)) if i not in ready]
 
     def marks(self) -> dict[int, dict | None]:
-        """Every rank's latest mark (None: it left none)."""
-        found: dict[int, dict | None] = {}
-        for rank in range(self.reducer.world_size):
-            key = f"rank{rank}"
-            found[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-        return found
+        """Every rank's latest mark (None: it left none); one store call with a deadline of
+        :attr:`call_s` (raises :class:`StoreUnanswered`)."""
+        size = self.reducer.world_size
+
+        def read(store: Any) -> dict[int, dict | None]:
+            return {rank: json.loads(store.get(f"rank{rank}"))
+                    if store.check([f"rank{rank}"]) else None for rank in range(size)}
+
+        return bounded_store_call(self.store, read, self.call_s, "the ranks' stall marks")
+
+    def peer_states(self) -> dict[int, PeerState]:
+        """Each rank's last known state: its finish mark when it left one
+        (:func:`mini_ddp.engine.peers.peer_states`), else ``"at step S"`` from its latest
+        stall mark when it left one, else ``"unknown"``. Bounded; never raises."""
+        states = peer_states()
+        try:
+            marks = self.marks()
+        except StoreUnanswered:
+            return states
+        for rank, mark in marks.items():
+            state = states.get(rank)
+            if mark is not None and (state is None or state.state == "unknown"):
+                states[rank] = PeerState(rank, "at step", mark["state"], mark["step"],
+                                         time=mark["time"])
+        return states
 
     # ---- the report -------------------------------------------------------------------------
-    def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> None:
+    def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> str | None:
         """The reducer's stall seam: after ``limit_s`` without an answer (``error`` None), or
         when the collective failed. A failed collective is already named by the reducer: the
-        flight recorder only dumps."""
+        flight recorder dumps (with what the store says of the other ranks), and when the
+        backend's own timeout failed it (Gloo's "Timed out", the process group's timeout,
+        which ``sync_timeout_s`` equals by default and may lose the race to), the late ranks
+        are named and asked where they are as for a ``GradSyncTimeout`` (bounded the same
+        way): the returned lines go into the error.
+
+        A slow wait is reported from a thread of its own: this returns at once, so the wait,
+        its deadline and training go on exactly as without the warning, whatever the store
+        does (a frozen or gone store costs one log line, from that thread)."""
         if error is not None:
             self.failed(bucket)
-            self.dump(f"collective failed: {type(error).__name__}: {error}")
+            late, dumped = "", {}
+            if "timed out" in str(error).lower():
+                late, dumped = self.on_timeout(reducer, bucket)
+            states = {str(rank): asdict(state) for rank, state in peer_states().items()}
+            self.dump(f"collective failed: {type(error).__name__}: {error}", peer_states=states,
+                      **dumped)
+            return late
+        if self._reporting is not None and self._reporting.is_alive():
+            return None  # the report under way covers this wait too
+        now = self.snapshot(bucket)
+        future = None if bucket is None else bucket.future
+        self._reporting = threading.Thread(
+            target=self._report_slow_wait, args=(now, future),
+            name=f"mini_ddp-stall-report-rank{now['rank']}", daemon=True)
+        self._reporting.start()
+        return None
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` for a stall report under way; True when none is left."""
+        if self._reporting is not None:
+            self._reporting.join(timeout_s)
+        return self._reporting is None or not self._reporting.is_alive()
+
+    def _report_slow_wait(self, now: dict[str, Any], future: Any) -> None:
+        try:
+            self.publish("waiting", launched=now["next_bucket"], now=now,
+                         waiting_for=now["bucket"])
+            report = self.report(None, None, now=now, future=future)
+        except StoreUnanswered as problem:
+            what = "the unused-parameter map" if now["bucket"] is None \
+                else f"bucket {now['bucket']}"
+            logger.warning("mini_ddp: rank %d has waited %g s for %s of step %d; %s: no stall "
+                           "report this time (the wait goes on)", now["rank"], self.limit_s,
+                           what, now["step"], problem)
             return
-        self.publish("waiting", launched=reducer.step.next_bucket,
-                     waiting_for=None if bucket is None else bucket.index)
-        report = self.report(bucket, None)
-        if report is not None:
-            self.diagnose(report)
-            self.act(report, None)
+        except Exception:  # noqa: BLE001 - a thread of its own: nothing may escape it
+            logger.exception("mini_ddp: rank %d could not make its stall report", now["rank"])
+            return
+        if report is not None and not _failed(future):
+            self.diagnose(report, future)
+            if not _failed(future):  # a failed one is named by the wait's own error and dump
+                self.act(report, None)
 
     def on_timeout(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
         """The reducer's timeout seam: its wait passed ``sync_timeout_s`` (whether or not a
@@ -797,33 +364,37 @@ class StallMonitor:
         rank's flight recorder dump (``report``, ``peers``). Bounded in wall-clock time: the
         peers' grace to leave their marks (at most :data:`ARRIVAL_GRACE_S`), then
         :attr:`timeout_answer_s` for the stacks — a rank that does not answer is said to, as in
-        a warning. The store is used from a thread of its own, joined with that deadline (and
-        a second more): a store call cannot be given a deadline, and a store cut off from this
-        rank (a network partition) would otherwise hold the error back for the store's own
-        timeout.
+        a warning. Every store call has its own deadline (:attr:`call_s`), and a store that
+        does not answer is named as the reason the late ranks could not be asked (at once,
+        when an earlier call, e.g. a stall report's, is still waiting for it); the whole is
+        joined with that deadline and a second more.
         """
         found: list[tuple[str, dict[str, Any]]] = []
-        worker = threading.Thread(target=lambda: found.append(self._ask_late(reducer, bucket)),
+        now = self.snapshot(bucket)
+        worker = threading.Thread(target=lambda: found.append(self._ask_late(now, bucket)),
                                   name=f"mini_ddp-timeout-ask-rank{reducer.rank}", daemon=True)
         worker.start()
         limit = min(self.limit_s, ARRIVAL_GRACE_S) + self.timeout_answer_s + 1.0
         worker.join(limit)
         if not found:
-            return (f"  The late ranks could not be asked where they are: the process group's "
+            return (f"  The late ranks could not be asked where they are: the rendezvous "
                     f"store did not answer within {limit:g} s.", {})
         return found[0]
 
-    def _ask_late(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
+    def _ask_late(self, now: dict[str, Any], bucket: Any) -> tuple[str, dict[str, Any]]:
         try:
-            self.publish("waiting", launched=reducer.step.next_bucket,
-                         waiting_for=None if bucket is None else bucket.index)
-            report = self.report(bucket, None)
+            self.publish("waiting", launched=now["next_bucket"], now=now,
+                         waiting_for=now["bucket"])
+            report = self.report(None, None, now=now,
+                                 future=None if bucket is None else bucket.future)
             if report is None or not report.culprits:
                 return "", {}
             self.ask(report, "timed out waiting", self.timeout_answer_s)
+        except StoreUnanswered as problem:
+            return (f"  The late ranks could not be named: {problem}.", {})
         except Exception:  # noqa: BLE001 - the timeout is raised in any case, with what we have
             logger.exception("mini_ddp: rank %d could not find the late ranks of its timeout",
-                             reducer.rank)
+                             now["rank"])
             return "", {}
         lines = ["  Ranks that had not reached it when this rank gave up:"]
         for rank, why in sorted(report.culprits.items()):
@@ -839,25 +410,31 @@ class StallMonitor:
             answer_s: float | None = None) -> None:
         """Ask the late ranks of ``report`` (at most :data:`MAX_ASKED`, the lowest) for their
         stacks, into ``report.stacks``, waiting ``answer_s`` (default :attr:`answer_s`) for
-        them (each asked rank dumps its flight log as it answers)."""
-        r = self.reducer
+        them (each asked rank dumps its flight log as it answers). A store that does not
+        answer leaves the report without stacks, and says so in one log line."""
         late = sorted(report.culprits)[:MAX_ASKED]
         if late and report.error is None:
             what = "the unused-parameter map" if report.waiting_for is None \
                 else f"bucket {report.waiting_for}"
             try:
                 report.stacks = ask_stacks(self.store, late, answer_s or self.answer_s,
-                                           asked_by=r.rank,
-                                           why=f"rank {r.rank} {waits} for {what} of step "
-                                               f"{report.step}")
+                                           asked_by=report.rank,
+                                           why=f"rank {report.rank} {waits} for {what} of step "
+                                               f"{report.step}", call_s=self.call_s)
+            except StoreUnanswered as problem:
+                logger.warning("mini_ddp: rank %d could not ask ranks %s for their stacks: %s: "
+                               "no stacks this time", report.rank, late, problem)
             except Exception:  # noqa: BLE001 - a report without stacks beats a failed wait
                 logger.exception("mini_ddp: rank %d could not ask ranks %s for their stacks",
-                                 r.rank, late)
+                                 report.rank, late)
 
-    def diagnose(self, report: StallReport) -> None:
+    def diagnose(self, report: StallReport, future: Any = None) -> None:
         """Ask the late ranks for their stacks (:meth:`ask`), into ``report``; then dump this
-        rank's flight log (the asked ranks dump theirs as they answer)."""
+        rank's flight log (the asked ranks dump theirs as they answer) — unless ``future``, the
+        collective waited for, failed meanwhile: its failure's dump is the one to keep."""
         self.ask(report)
+        if _failed(future):
+            return
         text = str(report)
         self.dump(f"stall warning: {text.splitlines()[0]}", report=text,
                   peers={str(rank): answer for rank, answer in report.stacks.items()})
@@ -878,38 +455,61 @@ class StallMonitor:
         """Tell the user: a WARNING on the ``"mini_ddp"`` logger."""
         logger.warning("%s", report)
 
-    def report(self, bucket: Any, error: BaseException | None) -> StallReport | None:
-        """Read every rank's marks and say who holds ``bucket`` up (None: nobody any more)."""
-        r = self.reducer
-        index = None if bucket is None else bucket.index
+    def report(self, bucket: Any, error: BaseException | None,
+               now: dict[str, Any] | None = None, future: Any = None) -> StallReport | None:
+        """Read every rank's marks and say who holds ``bucket`` up (None: nobody any more).
+
+        ``now`` (a :meth:`snapshot`) and ``future`` stand for ``bucket`` when the report is
+        made off the waiting thread. Raises :class:`StoreUnanswered` when the store does not
+        hand the marks over in time."""
+        now = self.snapshot(bucket) if now is None else now
+        if future is None and bucket is not None:
+            future = bucket.future
+        step, index = now["step"], now["bucket"]
         marks = self.marks()
         if not self.eager_marks and error is None:
             # Peers mark only when their own wait passes the limit: give them a moment, and
             # stop early once they all have (or the collective finished: no stall to report).
             deadline = time.monotonic() + min(self.limit_s, ARRIVAL_GRACE_S)
-            while not all(m is not None and m["step"] >= r.step.num_iterations
+            while not all(m is not None and m["step"] >= step
                           for m in marks.values()) and time.monotonic() < deadline:
-                if bucket is not None and bucket.future is not None and bucket.future.done():
+                if _finished_well(future):
                     return None
                 time.sleep(0.05)
                 marks = self.marks()
         report = StallReport(
-            r.rank, r.world_size, r.step.num_iterations, index,
-            [] if bucket is None else [r.names[i] for i in bucket.param_indices],
-            self.limit_s if error is None and bucket is not None else 0.0,
+            now["rank"], now["world_size"], step, index, now["params"],
+            self.limit_s if error is None and index is not None else 0.0,
             None if error is None else f"{type(error).__name__}: {error}",
-            [b.index for b in r.layout.buckets[r.step.next_bucket:]], self.missing(), marks)
+            now["pending"], now["missing"], marks)
         for rank, mark in marks.items():
-            if rank == r.rank:
+            if rank == now["rank"]:
                 continue
-            if not self.eager_marks and (mark is None or mark["step"] < r.step.num_iterations):
+            if not self.eager_marks and (mark is None or mark["step"] < step):
                 what = "the unused-parameter map" if index is None else f"bucket {index}"
                 report.culprits[rank] = (
-                    f"has not reached {what} of step {r.step.num_iterations}: it is slow or stuck "
+                    f"has not reached {what} of step {step}: it is slow or stuck "
                     f"before it (no mark from it within {min(self.limit_s, ARRIVAL_GRACE_S):g}"
                     " s of this one)")
                 continue
-            why = holds_up(mark, r.step.num_iterations, index)
+            why = holds_up(mark, step, index)
             if why:
                 report.culprits[rank] = why
         return report
+
+
+def _failed(future: Any) -> bool:
+    """Has ``future``'s collective failed?"""
+    return future is not None and future.done() and not _finished_well(future)
+
+
+def _finished_well(future: Any) -> bool:
+    """Has ``future``'s collective completed with a value? (A failed one — Gloo's own timeout
+    firing with the deadline — still has late ranks to name.)"""
+    if future is None or not future.done():
+        return False
+    try:
+        future.value()
+    except Exception:  # noqa: BLE001 - failed: not finished well
+        return False
+    return True

@@ -30,7 +30,11 @@ definition order, and records the order in which gradients arrive (``push_rebuil
 Before the next forward *with grad enabled* the buckets are rebuilt over that order with DDP's
 caps (``Reducer::rebuild_buckets``) and rank 0's layout is adopted by all
 (``sync_bucket_indices``). DDP's ``_pre_forward`` rebuilds only under ``torch.is_grad_enabled()``,
-so a forward under ``torch.no_grad()`` — an evaluation on rank 0 alone — issues no collective.
+so a forward under ``torch.no_grad()`` never rebuilds. This rung, which averages gradients
+only, then issues no collective at all; torch DDP (and ``DataParallelModel``) still broadcasts
+rank 0's buffers there, for a model with buffers and ``broadcast_buffers=True``, in the first
+forward after wrapping or after a training forward — so evaluate on one rank through
+``model.module`` (``tests/test_docs_claims.py`` counts the collectives).
 With that, this rung gives torch DDP's gradients bit for bit (``tests/test_ladder.py``, three
 ranks). Rung 4 (:mod:`mini_ddp.ladder.unused_and_no_sync`) adds ``no_sync`` and
 ``find_unused_parameters``.
@@ -115,7 +119,7 @@ class OverlappedDataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Rebuild the buckets once (only when grad is enabled), then run the module."""
-        if torch.is_grad_enabled():  # DDP's _pre_forward: no_grad forwards do no collective
+        if torch.is_grad_enabled():  # DDP's _pre_forward: no rebuild under no_grad
             self.check_prior_reduction_finished()
             self.rebuild_if_needed()
         return self.module(*inputs, **kwargs)

@@ -20,21 +20,27 @@ Built on :class:`mini_ddp.engine.stall.StallMonitor`, the warning every model ha
 not arrived but not the parameters it never produced. The watchdog replaces it while installed
 and puts it back on ``remove()``.
 
-Cost when installed: a store write per bucket launch and per step; nothing when not installed.
+Cost when installed: a store write per bucket launch and per step (each run off the
+training thread with a deadline: :func:`mini_ddp.engine.bounded_store.bounded_store_call`);
+nothing when not installed.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch.autograd import Variable
 
+from mini_ddp.engine.bounded_store import StoreUnanswered
 from mini_ddp.engine.stall import StallMonitor, StallReport, holds_up
 from mini_ddp.errors import MiniDDPError
 from mini_ddp.observe.tracing import attach, detach
 
 __all__ = ["StallError", "StallReport", "StallWatchdog", "holds_up"]
+
+logger = logging.getLogger("mini_ddp")
 
 
 class StallError(MiniDDPError):
@@ -61,6 +67,7 @@ class StallWatchdog(StallMonitor):
         super().__init__(model.reducer, model.process_group, limit_s, store)
         self.model, self.action = model, action
         self._callback_step = -1
+        self._store_warned = False
 
     # ---- install / remove -------------------------------------------------------------------
     def install(self) -> StallWatchdog:
@@ -80,31 +87,53 @@ class StallWatchdog(StallMonitor):
         """Trace-event entry point: leave marks; catch an unfinished backward at once."""
         r = self.reducer
         if kind == "launched":
-            self.publish("backward", launched=info["bucket"] + 1)
+            self._mark("backward", launched=info["bucket"] + 1)
         elif kind == "hook" and self._callback_step != r.step.num_iterations:
             # First gradient of this backward: check, when backward ends, that every bucket
             # launched. That is the earliest moment a rank can know it will stall the others.
             self._callback_step = r.step.num_iterations
             Variable._execution_engine.queue_callback(self._backward_ended)
         elif kind == "finalized":
-            self.publish("finalized", launched=len(r.layout.buckets))
+            self._mark("finalized", launched=len(r.layout.buckets))
         elif kind == "forward_start" and r.step.require_finalize and torch.is_grad_enabled():
-            report = self.report(None, None)  # the engine would raise too: say why first
+            try:
+                report = self.report(None, None)  # the engine would raise too: say why first
+            except StoreUnanswered:
+                return  # the engine's own error follows, without the marks
             self.act(report, None)
+
+    def _mark(self, state: str, **info: Any) -> None:
+        """Leave a mark; a store that does not take it costs one log line (the first time),
+        never the step: while it stays stuck, later marks fail at once."""
+        try:
+            self.publish(state, **info)
+        except StoreUnanswered as problem:
+            if not self._store_warned:
+                self._store_warned = True
+                logger.warning("mini_ddp: rank %d's stall watchdog cannot leave its marks: %s "
+                               "(training goes on; reports will lack this rank's progress)",
+                               self.reducer.rank, problem)
 
     def _backward_ended(self) -> None:
         if self.reducer.step.next_bucket < len(self.reducer.layout.buckets):
-            self.publish("ended_unfinished", launched=self.reducer.step.next_bucket)
+            self._mark("ended_unfinished", launched=self.reducer.step.next_bucket)
 
     # ---- the report ---------------------------------------------------------------------------
     def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> None:
         """Called by the reducer after ``limit_s`` without an answer, or when the collective
-        failed (a dead peer). Our own marks first, so other ranks' reports include them."""
-        self.publish("failed" if error else "waiting", launched=reducer.step.next_bucket,
-                     waiting_for=None if bucket is None else bucket.index)
+        failed (a dead peer). Our own marks first, so other ranks' reports include them. Made
+        in the waiting thread (so that ``action="raise"`` raises there), every store call
+        bounded: a store that does not answer costs one log line and the wait goes on."""
         if error is not None:
             self.failed(bucket)
-        report = self.report(bucket, error)
+        try:
+            self.publish("failed" if error else "waiting", launched=reducer.step.next_bucket,
+                         waiting_for=None if bucket is None else bucket.index)
+            report = self.report(bucket, error)
+        except StoreUnanswered as problem:
+            logger.warning("mini_ddp: rank %d's stall watchdog could not read the ranks' "
+                           "marks: %s: no stall report this time", reducer.rank, problem)
+            return
         self.diagnose(report)  # the late ranks' stacks (not a dead peer's), and the dumps
         self.act(report, error)
 

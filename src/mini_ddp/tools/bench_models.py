@@ -58,7 +58,12 @@ ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False},
              "mini_ddp_zero_copy": {"zero_copy_write_back": True},
              "mini_ddp_gloo": {"shared_memory_allreduce": False},
              "mini_ddp_v1": {"zero_copy_write_back": False, "shared_memory_allreduce": False},
-             "mini_ddp_nostall": {"stall_warning_s": None}}
+             "mini_ddp_nostall": {"stall_warning_s": None},
+             # The replica check (docs/debugging.md): off, at every step (its cost per check),
+             # and the debug switch (fingerprints and the local-gradient watch on top).
+             "mini_ddp_nochecks": {"replica_check_every": None},
+             "mini_ddp_check_every_step": {"replica_check_every": 1},
+             "mini_ddp_debug": {"debug": True}}
 # torch.compile(engine) for the two DDPs, on request (--compile): the compiled engine's name
 # and the eager engine it wraps. Only the wrapped module's frame is compiled (torch DDP's
 # compiled path, which mini_ddp takes too) - so a model whose top level is an nn.Sequential,

@@ -1,13 +1,15 @@
 """``python -m mini_ddp doctor DIR``: line the ranks' flight recorder dumps up, say what differs.
 
-Each rank's dump (:class:`mini_ddp.engine.stall.FlightLog`) lists the collectives the engine
+Each rank's dump (:class:`mini_ddp.engine.flight_log.FlightLog`) lists the collectives the engine
 launched — bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter
 map, join's collectives — numbered in launch order: the same numbers on every rank while they
 agree. The doctor finds the first collective some rank never launched ("rank 1 never launched
 bucket 2 of step 120"),
 collectives launched everywhere but completed nowhere (the network, or a dead peer), two ranks
 whose same-numbered collectives differ (a desync), ranks that left no dump or did not answer
-when asked for their stacks, and shows each late rank's Python stack.
+when asked for their stacks, and shows each late rank's Python stack. A rank that left no dump
+is said to have finished (or failed with an exception) when a survivor read its finish mark in
+the store (:mod:`mini_ddp.engine.peers`), and to have most likely died only when it left none.
 
 The same directory also holds torch-format dumps (``mini_ddp_fr_<rank>``), for torch's own
 analyser: ``python -m torch.distributed.flight_recorder.fr_trace DIR``.
@@ -20,7 +22,8 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from mini_ddp.engine.stall import BUCKET_OP, OPS, describe_answer, format_stacks
+from mini_ddp.engine.flight_log import BUCKET_OP, OPS
+from mini_ddp.engine.stacks import describe_answer, format_stacks
 from mini_ddp.observe.flight_recorder import read_dumps
 
 
@@ -61,6 +64,26 @@ def _stack_of(rank: int, dumps: dict[int, dict[str, Any]]) -> str | None:
     return None
 
 
+def _ended(rank: int, dumps: dict[int, dict[str, Any]]) -> str | None:
+    """What the survivors read in the store of ``rank`` when their collective failed: that it
+    finished (cleanly) or failed with an exception (None: it left no such mark)."""
+    for peer, d in sorted(dumps.items()):
+        state = d.get("peer_states", {}).get(str(rank))
+        if state is None or state["state"] not in ("finished", "failed"):
+            continue
+        after = "" if state.get("step") is None else f" after step {state['step']}"
+        if state["state"] == "failed":
+            return (f"rank {rank} left no dump: it failed{after}, its script raised "
+                    f"{state['error']} (read by rank {peer} from the store); its own log has "
+                    "the traceback")
+        return (f"rank {rank} left no dump: it finished ({state['how']}){after}, it did not "
+                f"die (read by rank {peer} from the store when its collective failed, in step "
+                f"{d.get('progress', {}).get('step', '?')}): the ranks ran different numbers "
+                "of steps (uneven inputs) — give every rank the same number of batches "
+                "(DistributedSampler(drop_last=True)) or train inside model.join()")
+    return None
+
+
 def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
     """The doctor's findings (lines of text) for ``dumps`` (:func:`read_dumps`'s result)."""
     if not dumps:
@@ -89,7 +112,10 @@ def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
         silent = [int(p) for p, d in dumps.items() if not d.get("peers", {}).get(
             str(rank), {"answered": True})["answered"]]
         failed = [p for p, d in dumps.items() if d["reason"].startswith("collective failed")]
-        if silent:
+        ended = _ended(rank, dumps)
+        if ended is not None:
+            findings.append(ended)
+        elif silent:
             findings.append(f"rank {rank} left no dump and did not answer rank {silent[0]}'s "
                             "request for its stack: no Python thread of it could run (native "
                             "code holding the GIL) or its process is gone")

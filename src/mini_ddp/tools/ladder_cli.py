@@ -5,7 +5,12 @@ too), and for each rung trains a deep copy under the rung and another under torc
 same per-rank batches, with SGD (lr 0.1, momentum 0.9). After every backward it counts the
 gradient elements in which the rung differs from torch DDP (``torch.equal`` per element; a
 ``None`` against a tensor counts as all its elements), and after every step whether the
-parameters are still equal. Then it says *why* a rung differs, by taking rung 1 apart:
+parameters are still equal. A rung that differs is diagnosed from its numbers: at the first
+step where it differs (its parameters still DDP's), every rank's local gradient is gathered
+and each differing element is matched against the candidate averages (multiply by
+``1/world_size`` then sum, or sum then divide, in each summation order a ring can take), so
+the "why" column says what the rung really did, whatever its code says. Then it takes rung 1
+apart:
 
 * ``naive``               rung 1: sum, then divide; one all-reduce per parameter;
 * ``scale_first_naive``   rung 1 with DDP's scaling (multiply by 1/world_size, then sum);
@@ -162,9 +167,16 @@ def _one_rung(ctx: RankContext, opts: dict, rung: str) -> dict:
     opts_ = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, ours)]
     steps: list[dict] = []
     nothing_unused = False
+    local = copy.deepcopy(ref.module)  # the bare model: each rank's own, unaveraged gradient
+    diagnosis: dict | None = None
     for step in range(opts["steps"]):
         g = torch.Generator().manual_seed(ctx.rank * 100 + step)
         x, y = spec.make_batch(opts["batch_size"], g)
+        # Only while the rung still holds DDP's parameters can its first difference be
+        # explained by the averaging alone (later, the models have drifted apart).
+        still_equal = all(s["params_equal"] for s in steps)
+        local_grads = (gathered_local_grads(local, ref.module, spec, x, y, ctx.world_size)
+                       if still_equal and diagnosis is None else None)
         for who, (model, opt) in enumerate(zip((ref, ours), opts_, strict=True)):
             # torch DDP's find_unused_parameters search warns (once, from C++) in its
             # forward/backward when it finds nothing; held back and reported by us instead.
@@ -183,11 +195,101 @@ def _one_rung(ctx: RankContext, opts: dict, rung: str) -> dict:
         pairs = list(zip(ref.module.parameters(), ours.module.parameters(), strict=True))
         differing = sum(a.numel() if (a.grad is None) != (b.grad is None) else
                         0 if a.grad is None else int((a.grad != b.grad).sum()) for a, b in pairs)
+        if local_grads is not None and differing and diagnosis is None:
+            diagnosis = {"step": step + 1, **diagnose(local_grads, pairs, ctx.world_size)}
+        max_abs = max((float((a.grad - b.grad).abs().max()) for a, b in pairs
+                       if a.grad is not None and b.grad is not None and a.numel()), default=0.0)
         for opt in opts_:
             opt.step()
         steps.append({"differing": differing, "elements": sum(a.numel() for a, _ in pairs),
-                      "params_equal": all(torch.equal(a, b) for a, b in pairs)})
-    return {"steps": steps, "error": "", "nothing_unused": nothing_unused}
+                      "params_equal": all(torch.equal(a, b) for a, b in pairs),
+                      "max_abs_diff": max_abs})
+    return {"steps": steps, "error": "", "nothing_unused": nothing_unused,
+            "diagnosis": diagnosis}
+
+
+def gathered_local_grads(local: nn.Module, like: nn.Module, spec: Any, x: Any, y: Any,
+                         world_size: int) -> list[torch.Tensor | None]:
+    """Every rank's local gradient of each parameter of ``like`` (stacked over the ranks, or
+    ``None`` where no rank has one), computed on a bare copy set to ``like``'s parameters.
+    Collective: every rank calls it at the same step."""
+    with torch.no_grad():
+        for mine, theirs in zip(local.state_dict().values(), like.state_dict().values(),
+                                strict=True):
+            mine.copy_(theirs)
+    local.zero_grad(set_to_none=True)
+    compute_loss(spec.loss, _main_output(local(x)), y).backward()
+    out: list[torch.Tensor | None] = []
+    for p in local.parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+        stacked = [torch.empty_like(grad) for _ in range(world_size)]
+        dist.all_gather(stacked, grad.contiguous())
+        out.append(None if p.grad is None and not any(t.any() for t in stacked)
+                   else torch.stack(stacked))
+    return out
+
+
+def ring_sums(per_rank: torch.Tensor) -> list[torch.Tensor]:
+    """The sums a ring all-reduce can produce: a left fold starting at each rank (for three
+    ranks these are all three ways to add three numbers in floating point)."""
+    n = per_rank.shape[0]
+    sums = []
+    for start in range(n):
+        acc = per_rank[start].clone()
+        for j in range(1, n):
+            acc = acc + per_rank[(start + j) % n]
+        sums.append(acc)
+    return sums
+
+
+# The explanations of a rung's differences, simplest first; each must explain every element
+# that differs (one element can match several by coincidence; the rung's whole gradient
+# cannot). Texts for the "why" column.
+CAUSES = {
+    "after_sum": "divided after the sum (x/n, not DDP's x*(1/n) before it), added in DDP's "
+                 "order",
+    "order": "DDP's x*(1/n), added in another order (another place in the all-reduce buffer)",
+    "both": "divided after the sum, and added in another order (another place in the "
+            "all-reduce buffer)",
+    "other": "not DDP's average in any summation order tried",
+}
+
+
+def diagnose(local_grads: list[torch.Tensor | None], pairs: list[tuple[nn.Parameter, ...]],
+             world_size: int) -> dict[str, Any]:
+    """Which of :data:`CAUSES` explains every element in which the rung's averaged gradient
+    differs from torch DDP's, by the candidates it equals, built from every rank's local
+    gradient over a ring's summation orders (:func:`ring_sums`): ``after_sum`` — a sum divided
+    by the world size, in an order that gives DDP's value when scaled first; ``order`` — DDP's
+    multiply-by-1/world_size-then-sum in some order; ``both`` — a sum divided afterwards, in
+    some order. ``unexplained``: the differing elements, when none of them explains all."""
+    matches = {cause: 0 for cause in CAUSES}
+    differing = 0
+    for stacked, (ref, ours) in zip(local_grads, pairs, strict=True):
+        if ref.grad is None or ours.grad is None:  # a missing gradient: none explains it
+            differing += 0 if ref.grad is None and ours.grad is None else ref.numel()
+            continue
+        differ = ours.grad != ref.grad
+        if stacked is None:  # no rank had a local gradient, yet both have one
+            differing += int(differ.sum())
+            continue
+        scaled = torch.stack(ring_sums(stacked * (1.0 / world_size)))
+        divided = torch.stack([s / world_size for s in ring_sums(stacked)])
+        differing += int(differ.sum())
+        matches["after_sum"] += int((differ & ((divided == ours.grad)
+                                               & (scaled == ref.grad)).any(0)).sum())
+        matches["order"] += int((differ & (scaled == ours.grad).any(0)).sum())
+        matches["both"] += int((differ & (divided == ours.grad).any(0)).sum())
+    cause = next((c for c in ("after_sum", "order", "both") if matches[c] == differing),
+                 "other")
+    return {"cause": cause, "unexplained": differing if cause == "other" else 0}
+
+
+def diagnosis_text(diagnosis: dict) -> str:
+    """The "why" of a rung that differs, from its numbers (see :func:`diagnose`)."""
+    text = f"at step {diagnosis['step']}: {CAUSES[diagnosis['cause']]}"
+    return text + (f" ({diagnosis['unexplained']} elements)" if diagnosis["cause"] == "other"
+                   else "")
 
 
 def _rank_main(ctx: RankContext, opts: dict) -> dict[str, dict]:
@@ -198,20 +300,21 @@ def run_ladder(model: str = "mlp", world_size: int = 3, steps: int = 2,
                bucket_cap_mb: float | None = None, batch_size: int = 8,
                rungs: list[str] | None = None, spec: dict | None = None,
                timeout_s: float = 600.0) -> dict[str, dict]:
-    """Rank 0's report per rung: ``{"steps": [{"differing", "elements", "params_equal"}],
-    "error": "", "nothing_unused": bool}`` (every rank holds the same averaged gradients;
+    """Rank 0's report per rung: ``{"steps": [{"differing", "elements", "params_equal",
+    "max_abs_diff"}], "error": "", "nothing_unused": bool, "diagnosis": None or
+    {"step", "cause", "unexplained"}}`` (every rank holds the same averaged gradients;
     ``nothing_unused``: the torch DDP reference warned that find_unused_parameters found
-    nothing unused)."""
+    nothing unused; ``diagnosis``: see :func:`diagnose`, at the first step that differs)."""
     opts = {"model": model, "steps": steps, "bucket_cap_mb": bucket_cap_mb,
             "batch_size": batch_size, "rungs": list(rungs or RUNGS), "spec": spec or {}}
     return run_ranks(_rank_main, world_size, args=(opts,), timeout_s=timeout_s)[0]
 
 
 def why(reports: dict[str, dict]) -> list[str]:
-    """The decomposition of rung 1's differences, from the first step's counts."""
-    first = {r: rep["steps"][0]["differing"] for r, rep in reports.items()
-             if rep["steps"] and not rep["error"]}
+    """The decomposition of rung 1's differences, from the first differing step's numbers."""
+    ok = {r: rep for r, rep in reports.items() if rep["steps"] and not rep["error"]}
     lines = []
+    first = {r: rep["steps"][0]["differing"] for r, rep in ok.items()}
     if "naive" in first and "scale_first_naive" in first:
         lines.append(f"where 1/world_size is applied (sum-then-divide vs DDP's multiply-then-"
                      f"sum): {first['naive'] - first['scale_first_naive']} of rung 1's "
@@ -219,8 +322,7 @@ def why(reports: dict[str, dict]) -> list[str]:
         lines.append(f"where an element sits in the all-reduce buffer (one all-reduce per "
                      f"parameter, not DDP's flat bucket): the remaining "
                      f"{first['scale_first_naive']}")
-    later = {r: rep["steps"][-1]["differing"] for r, rep in reports.items()
-             if len(rep["steps"]) > 1 and not rep["error"]}
+    later = {r: rep["steps"][-1]["differing"] for r, rep in ok.items() if len(rep["steps"]) > 1}
     if "never_rebuilt" in later:
         lines.append(f"which layout, when (DDP rebuilds its buckets in gradient-arrival order "
                      f"before step 2): never_rebuilt differs in {later['never_rebuilt']} at "
@@ -240,7 +342,14 @@ def format_report(reports: dict[str, dict], title: str) -> str:
         cells += " " * 9 * (n - len(rep["steps"]))
         bitwise = not rep["error"] and all(s["differing"] == 0 and s["params_equal"]
                                            for s in rep["steps"])
-        reason = rep["error"] or ("bitwise equal: " if bitwise else "") + RUNGS[rung][2]
+        if rep["error"] or bitwise:
+            reason = rep["error"] or "bitwise equal: " + RUNGS[rung][2]
+        elif rep.get("diagnosis"):  # what the numbers show, not what the rung's code says
+            reason = diagnosis_text(rep["diagnosis"])
+        elif any(s["differing"] for s in rep["steps"]):  # first differed after drifting
+            reason = "gradients differ only after the parameters did"
+        else:
+            reason = "parameters differ, gradients equal"
         lines.append(f"{rung:<19}{cells}   {reason}")
     if n > 1:
         lines.append("(from step 2 on, a rung that differed before also trains different "
@@ -250,15 +359,34 @@ def format_report(reports: dict[str, dict], title: str) -> str:
     reasons = why(reports)
     if reasons:
         lines += ["why rung 1 differs:", *("  " + line for line in reasons)]
-    ok = all(not rep["error"] and all(s["differing"] == 0 for s in rep["steps"])
-             for rung, rep in reports.items() if rung in ("overlapped", "unused_and_no_sync"))
-    lines.append("RESULT: " + ("rungs 3 and 4 are bitwise equal to torch DDP" if ok else
-                               "a rung that should match torch DDP does not"))
+    lines.append(result(reports)[1])
     return "\n".join(lines)
 
 
+# The rungs that must give torch DDP's bits at any world size, with their numbers.
+MUST_MATCH = {"overlapped": 3, "unused_and_no_sync": 4}
+
+
+def result(reports: dict[str, dict]) -> tuple[bool, str]:
+    """Whether every rung that must match torch DDP and ran does, and the RESULT line, which
+    names only the rungs that ran."""
+    ran = {rung: n for rung, n in MUST_MATCH.items() if rung in reports}
+    names = " and ".join(f"rung {n} ({rung})" for rung, n in ran.items())
+    if not ran:
+        return True, (f"RESULT: ran {', '.join(reports)}; rungs 3 and 4 (overlapped, "
+                      "unused_and_no_sync), the ones that must match torch DDP, were not run")
+    failed = [f"rung {n} ({rung})" for rung, n in ran.items()
+              if reports[rung]["error"] or any(s["differing"] or not s["params_equal"]
+                                               for s in reports[rung]["steps"])]
+    if failed:
+        return False, f"RESULT: {' and '.join(failed)} should match torch DDP and does not"
+    verb = "is" if len(ran) == 1 else "are"
+    return True, f"RESULT: {names} {verb} bitwise equal to torch DDP"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, run every rung beside torch DDP, print the table (exit 1: rung 3/4 differ)."""
+    """Parse ``argv``, run the rungs beside torch DDP, print the table (exit 1: rung 3 or 4,
+    run, differs)."""
     parser = argparse.ArgumentParser(prog="python -m mini_ddp ladder", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, default="mlp")
@@ -285,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         f"bucket_cap_mb={args.bucket_cap_mb}"
     print(format_report(reports, f"ladder: {args.model}, world size {args.world_size}, "
                                  f"{args.steps} steps, batch {args.batch_size} per rank, {cap}"))
-    last = format_report(reports, "").splitlines()[-1]
-    return 0 if "bitwise equal" in last else 1
+    return 0 if result(reports)[0] else 1
 
 
 if __name__ == "__main__":

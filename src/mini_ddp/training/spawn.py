@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mini_ddp.engine.peers import mark_failed
 from mini_ddp.training.launch import LOOPBACK, keep_gloo_on_loopback, store_server
 
 _CONTEXT: Any = None
@@ -98,8 +99,9 @@ def _rank_main(
             dist.barrier()
             result = fn(RankContext(rank, world_size), *args)
             _send(conn, ("ok", result))
-        except BaseException:  # noqa: BLE001 - report anything, including KeyboardInterrupt
+        except BaseException as error:  # noqa: BLE001 - report anything, KeyboardInterrupt too
             _send(conn, ("error", traceback.format_exc()))
+            mark_failed(error)  # the destroy below must not read as a clean finish to peers
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -1,0 +1,131 @@
+"""mini_ddp's debug switch, and the checks a model runs with and without it.
+
+**Always on** (nearly free, docs/debugging.md has the figure): the replica check
+(:mod:`mini_ddp.engine.replicas` — identical data on every rank at step 1; parameters, buffers,
+train/eval modes and parameter sets compared at step 1 and every ``replica_check_every``
+steps), a WARNING when something differs.
+
+**The debug switch** — ``DataParallelModel(..., debug=True)``, or the environment variable
+``MINI_DDP_DEBUG=1``, or torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` — adds what costs a
+store round trip or a pass over every gradient per step:
+
+* collective fingerprints (:mod:`mini_ddp.engine.fingerprint`): an extra forward through the
+  wrapper on one rank, uneven inputs, a collective on some ranks only — named before the
+  collective that would pair wrongly;
+* the local-gradient watch (:mod:`mini_ddp.engine.grad_watch`): the rank and parameter where a
+  NaN/Inf first appeared, a training forward that bypasses the wrapper;
+* the replica check raises :class:`~mini_ddp.engine.replicas.ReplicasDifferError` instead of
+  warning.
+
+With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch's ``ProcessGroupWrapper`` checks every
+collective's shape as well; when it finds a mismatch inside one of mini_ddp's collectives, the
+error opens with torch's verdict and says which of mini_ddp's collectives met it
+(:class:`mini_ddp.errors.CollectiveMismatchError`).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from mini_ddp.engine.fingerprint import Fingerprints
+from mini_ddp.engine.grad_watch import GradWatch
+from mini_ddp.engine.rank_board import RankBoard
+from mini_ddp.engine.replicas import ReplicaCheck
+from mini_ddp.engine.stacks import ask_stacks
+
+ENV = "MINI_DDP_DEBUG"
+SWITCH = "MINI_DDP_DEBUG=1 (or DataParallelModel(debug=True), or TORCH_DISTRIBUTED_DEBUG=DETAIL)"
+
+
+def debug_requested(explicit: bool | None = None) -> bool:
+    """The switch: ``explicit`` when given, else ``MINI_DDP_DEBUG`` (anything but empty or
+    ``0``), else whether torch's ``TORCH_DISTRIBUTED_DEBUG`` is ``DETAIL``."""
+    if explicit is not None:
+        return explicit
+    if os.environ.get(ENV, "") not in ("", "0"):
+        return True
+    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+
+
+class SyncChecks:
+    """The checks of one model; the model calls :meth:`before_collectives` at the start of
+    each forward and :meth:`after_buffer_sync` after a synchronised forward's broadcast."""
+
+    def __init__(self, model: Any, debug: bool, replica_check_every: int | None,
+                 board: RankBoard | None = None):
+        reducer = model.reducer
+        self.debug = debug
+        # Numbered per model in construction order, which every rank shares (construction is
+        # collective); a reducer rebuilt by _set_static_graph passes its old board on.
+        self.board = board or RankBoard(model.process_group, reducer.rank, reducer.world_size)
+        self.single = reducer.world_size == 1
+        self.replicas = None if self.single or (replica_check_every is None and not debug) \
+            else ReplicaCheck(model, self.board, replica_check_every, strict=debug)
+        self.fingerprints = self.watch = None
+        if debug and not self.single:
+            config = model.config
+            monitor = weakref.ref(model)
+            self.fingerprints = Fingerprints(model, self.board, config.stall_warning_s,
+                                             config.sync_timeout_s,
+                                             ask=lambda ranks: _ask(monitor(), ranks))
+            self.watch = GradWatch(model, self.board, self.fingerprints)
+            self.fingerprints.verdicts = self._verdicts
+
+    def _verdicts(self) -> dict[int, str]:
+        found = {}
+        for rank in self.board.peers:
+            text = self.board.read("verdict", rank)
+            if text is not None:
+                found[rank] = text
+        return found
+
+    def before_collectives(self, grad_enabled: bool, synced: bool, broadcast: bool,
+                           step: int, joining: bool = False) -> None:
+        """Debug switch: a forward is about to run its collectives (if any). ``joining``:
+        the model has been inside ``join()`` (torch's ``Join`` leaves the model's join config
+        enabled after the context): the fingerprints pause for good — a joined rank shadows
+        the others' collectives without their forwards, and counts no steps."""
+        if self.watch is not None and grad_enabled:
+            self.watch.forward_seen()
+        if self.fingerprints is not None:
+            self.fingerprints.paused = joining
+            if not joining:
+                self.fingerprints.forward(grad_enabled, synced, broadcast, step)
+
+    def after_buffer_sync(self, step: int, buffers_synced: bool, joining: bool = False
+                          ) -> None:
+        """A synchronised forward ``step`` has broadcast its buffers (or had none to).
+
+        Once ``join()`` has run, the ranks' step counts may differ for good (a joined rank
+        counts no steps while it shadows the others): the replica check, which pairs records
+        by step, stops."""
+        if joining and self.replicas is not None:
+            self.replicas.remove()
+            self.replicas = None
+        if self.replicas is not None:
+            self.replicas.before_forward(step, buffers_synced)
+        if self.watch is not None:
+            self.watch.peers_nonfinite()
+
+    def remove(self) -> None:
+        """Take every hook off."""
+        if self.replicas is not None:
+            self.replicas.remove()
+        if self.watch is not None:
+            self.watch.remove()
+
+
+def _ask(model: Any, ranks: list[int]) -> dict[int, Any]:
+    """The late ranks' stacks, through the stall monitor's responders (none: {})."""
+    monitor = None if model is None else model.stall_monitor
+    if monitor is None:
+        return {}
+    try:
+        return ask_stacks(monitor.store, ranks, monitor.answer_s, asked_by=dist.get_rank(
+            model.process_group), why="mini_ddp's debug check: a collective did not come")
+    except Exception:  # noqa: BLE001 - a report without stacks beats none
+        return {}

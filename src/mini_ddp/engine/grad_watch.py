@@ -1,0 +1,152 @@
+"""Watching local gradients (debug switch): where a NaN came from, a wrapper that was bypassed.
+
+Two mistakes only the local gradients show, before the all-reduce mixes them:
+
+* **A NaN or Inf from one rank.** One rank's bad batch (or overflow) makes its local gradient
+  NaN; the all-reduce then makes every rank's gradient — and weights — NaN, and nothing says
+  where it started. A tensor hook on each parameter checks the incoming local gradient
+  (``torch.isfinite``); the first non-finite one is logged by its rank with the parameter's
+  name and posted on the :class:`~mini_ddp.engine.rank_board.RankBoard`, and every other rank
+  names that rank at its next forward. A warning, not an error: ``torch.amp.GradScaler`` skips
+  steps with Inf gradients on purpose.
+* **A training forward that bypasses the wrapper.** ``model.module(x)`` (or the inner module
+  kept under another name) in training runs no collective: that rank's gradients stay local
+  (torch DDP ignores them) and the other ranks wait for it. A post-accumulate-grad hook sees a
+  backward (a new autograd graph task) into the wrapped parameters that no forward through the
+  wrapper preceded, and raises :class:`WrapperBypassedError` on that rank, posting the verdict
+  for the waiting ranks (:class:`~mini_ddp.engine.fingerprint.Fingerprints` quotes it).
+
+The post-accumulate hook is also where a synchronised backward's fingerprint is taken: it runs
+before the reducer's own hook of the same parameter, so before any bucket is launched.
+Cost: a ``torch.isfinite(grad).all()`` per gradient and two Python hooks per parameter — which
+is why these run only under mini_ddp's debug switch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from mini_ddp.errors import MiniDDPError
+
+logger = logging.getLogger("mini_ddp")
+
+
+class WrapperBypassedError(MiniDDPError):
+    """A backward into the wrapped parameters without a forward through the wrapper."""
+
+
+class GradWatch:
+    """The hooks on ``model``'s synchronised parameters (see the module docstring)."""
+
+    def __init__(self, model: Any, board: Any, fingerprints: Any = None):
+        self._model = weakref.ref(model)
+        self.board, self.fingerprints = board, fingerprints
+        self._task = None  # the autograd graph task of the last backward seen
+        self._forwards = 0  # forwards through the wrapper with grad enabled since that backward
+        self._nonfinite_step: int | None = None  # the step this rank posted a NaN/Inf for
+        self._peer_steps: dict[int, int] = {}  # peers' NaN/Inf records already told
+        self._bypass_told = False
+        me = weakref.ref(self)
+        self._handles = []
+        for index, param in enumerate(model.reducer.params):
+            self._handles.append(param.register_hook(functools.partial(_local_grad, me, index)))
+            self._handles.append(param.register_post_accumulate_grad_hook(
+                functools.partial(_accumulated, me, index)))
+
+    def remove(self) -> None:
+        """Take the hooks off."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def forward_seen(self) -> None:
+        """A forward through the wrapper with grad enabled (synchronised or in no_sync)."""
+        self._forwards += 1
+
+    # ---- NaN / Inf ------------------------------------------------------------------------
+    def local_grad(self, index: int, grad: torch.Tensor) -> None:
+        """A parameter's local gradient, before it is accumulated and all-reduced."""
+        model = self._model()
+        if model is None or self._nonfinite_step is not None or grad.is_sparse:
+            return
+        if bool(torch.isfinite(grad).all()):
+            return
+        reducer = model.reducer
+        step, name = reducer.step.num_iterations, reducer.names[index]
+        kind = "NaN" if bool(torch.isnan(grad).any()) else "Inf"
+        self._nonfinite_step = step
+        self.board.post("nonfinite", {"step": step, "param": name, "kind": kind})
+        if self._peer_steps and min(self._peer_steps.values()) < step:
+            return  # a peer's NaN reached this rank first: it named where it came from
+        logger.warning(
+            "mini_ddp: rank %d: the local gradient of '%s' holds %s in the backward of step "
+            "%d, before the all-reduce: it comes from this rank's batch or forward (a bad "
+            "sample, a log of zero, an overflow); the all-reduce spreads it to every rank. "
+            "See docs/debugging.md.", self.board.rank, name, kind, step)
+
+    def peers_nonfinite(self) -> None:
+        """At a forward: name the peer whose NaN/Inf the last all-reduce brought here."""
+        for rank in self.board.peers:
+            if rank in self._peer_steps:
+                continue
+            record = self.board.read("nonfinite", rank)
+            if record is None:
+                continue
+            self._peer_steps[rank] = record["step"]
+            if self._nonfinite_step is not None and self._nonfinite_step < record["step"]:
+                continue  # this rank's came first: it said so
+            own = "" if self._nonfinite_step == record["step"] else \
+                " This rank's own local gradients were finite then."
+            logger.warning(
+                "mini_ddp: rank %d: the %s in every rank's gradients since step %d came from "
+                "rank %d: its local gradient of '%s' held %s before the all-reduce.%s See "
+                "docs/debugging.md.", self.board.rank, record["kind"], record["step"], rank,
+                record["param"], record["kind"], own)
+
+    # ---- the bypassed wrapper, and the backward's fingerprint ------------------------------
+    def accumulated(self, index: int) -> None:
+        """Autograd accumulated a parameter's ``.grad`` (once per parameter and backward)."""
+        # One id per backward (autograd "graph task"): the first parameter of each backward
+        # decides; torch.autograd.grad never accumulates into .grad, so it never gets here.
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        self._task = task
+        model = self._model()
+        if model is None:
+            return
+        forwards, self._forwards = self._forwards, 0
+        step = model.reducer.step
+        if step.expect_hooks:
+            if self.fingerprints is not None:
+                self.fingerprints.backward(step.num_iterations)
+            return
+        if forwards == 0 and not self._bypass_told:
+            self._bypass_told = True
+            name = model.reducer.names[index]
+            text = (f"mini_ddp: rank {self.board.rank}: a backward put gradients into the "
+                    f"wrapped model's parameters ('{name}', …) but no forward through "
+                    "DataParallelModel preceded it: the training forward bypasses the wrapper "
+                    "(model.module(x), or the inner module kept under another name). Those "
+                    "gradients are never averaged — this rank trains alone, and the other "
+                    "ranks wait for its collectives. Call model(x) to train; model.module(x) "
+                    "only to evaluate, under torch.no_grad(). See docs/debugging.md.")
+            self.board.post("verdict", text)
+            raise WrapperBypassedError(text)
+
+
+def _local_grad(watch_ref: weakref.ref, index: int, grad: torch.Tensor) -> None:
+    watch = watch_ref()
+    if watch is not None:
+        watch.local_grad(index, grad)
+
+
+def _accumulated(watch_ref: weakref.ref, index: int, _param: torch.Tensor) -> None:
+    watch = watch_ref()
+    if watch is not None:
+        watch.accumulated(index)

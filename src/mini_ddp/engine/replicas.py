@@ -1,0 +1,281 @@
+"""Are the ranks still training one model, on different data? Checked by default, nearly free.
+
+torch DDP keeps the replicas identical only by construction (the start-up broadcast, then
+averaged gradients), and says nothing when a script breaks that: the ranks then train
+different models, or the same model on the same batches, for the whole run. Two checks, run by
+every :class:`~mini_ddp.engine.model.DataParallelModel` unless ``replica_check_every=None``:
+
+* **Identical data.** The first synchronised backward hashes each parameter's *local* gradient
+  (a tensor hook, before the all-reduce; removed after that step); at the next forward the ranks
+  compare their hashes. Equal hashes on every rank mean every rank computed on the same batch
+  — no ``DistributedSampler`` — and the warning says so.
+* **Diverging replicas.** At the first synchronised forward and every ``replica_check_every``
+  (100) after it, right after the buffer broadcast, each rank hashes the exact bits of its
+  parameters (and of the buffers, when they were just broadcast), lists the modules it runs in
+  ``eval()`` mode, and the parameters that require a gradient but are not synchronised (added
+  after wrapping). A difference names the tensors, the ranks and the likely mistake: weights
+  loaded into ``model.module`` on one rank after wrapping, a rank left in ``eval()`` mode after
+  evaluating, a parameter added after wrapping.
+
+Neither runs a collective (one on the model's group could pair with another rank's and hang a
+job that is already out of step): the ranks post their hashes on a
+:class:`~mini_ddp.engine.rank_board.RankBoard` and read the others' at the next synchronised
+forward, by which time every peer has posted — its backward could not have finished without
+this rank's. Cost: hashing the parameters once per check (two integer sums over their bits),
+one store ``set`` and one ``check`` + ``get`` per rank; docs/debugging.md has the measured
+figure. By default a difference is a WARNING on the ``"mini_ddp"`` logger, once per kind; under
+mini_ddp's debug switch (:func:`mini_ddp.engine.debug.debug_requested`) it raises
+:class:`ReplicasDifferError` on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+
+from mini_ddp.errors import MiniDDPError
+
+logger = logging.getLogger("mini_ddp")
+
+DEFAULT_EVERY = 100
+"""Synchronised steps between two replica checks (the first is at step 1)."""
+_PATIENCE = 20  # forwards to wait for a peer's record before dropping a comparison (join)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+PREFIX = "mini_ddp (replica check): "
+SAMPLER_FIX = ("give each rank its own shard of the data: DataLoader(dataset, sampler="
+               "torch.utils.data.DistributedSampler(dataset)) on every rank, and "
+               "sampler.set_epoch(epoch) at the start of each epoch")
+
+
+class ReplicasDifferError(MiniDDPError):
+    """The ranks hold different models (tensors, train/eval modes or parameter sets)."""
+
+
+def bits_hash(tensor: torch.Tensor) -> list[int]:
+    """Two integers from ``tensor``'s exact bits: the sum of its elements read as integers,
+    and the same over its even positions (so two swapped neighbours still differ)."""
+    t = tensor.detach()
+    if t.is_sparse:
+        t = t.coalesce().values()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    flat = t.contiguous().view(-1)
+    ints = flat.view(_INT_OF_SIZE[flat.element_size()])
+    return [int(ints.sum(dtype=torch.int64)), int(ints[::2].sum(dtype=torch.int64))]
+
+
+def identical_groups(values: dict[int, Any]) -> list[list[int]]:
+    """The groups (two ranks or more) whose values are equal, lowest rank first."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in sorted(values.items()):
+        groups.setdefault(repr(value), []).append(rank)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def apart(odd: list[int], agree: list[int]) -> str:
+    """``"ranks [1] differ from ranks [0, 2]"``; without a majority, neither side is blamed."""
+    if len(odd) == len(agree):
+        return f"ranks {agree} and ranks {odd} differ"
+    return f"ranks {odd} differ from ranks {agree}"
+
+
+def odd_ranks(values: dict[int, Any]) -> tuple[list[int], list[int]]:
+    """``(ranks that differ, ranks that agree)``: the majority agrees (ties: rank 0's side,
+    the rank DataParallelModel broadcasts from)."""
+    keys = {r: repr(v) for r, v in values.items()}
+    counts = Counter(keys.values())
+    best = max(counts.values())
+    ref = keys[0] if counts[keys[0]] == best else next(k for k in keys.values()
+                                                       if counts[k] == best)
+    agree = [r for r in sorted(keys) if keys[r] == ref]
+    return [r for r in sorted(keys) if r not in agree], agree
+
+
+class ReplicaCheck:
+    """One model's two checks (see the module docstring). ``strict``: raise, don't warn."""
+
+    def __init__(self, model: Any, board: Any, every: int | None = DEFAULT_EVERY,
+                 strict: bool = False):
+        self._model = weakref.ref(model)
+        self.board, self.every, self.strict = board, every, strict
+        self._first: dict[int, list[float] | None] = {}  # param index -> local gradient hash
+        self._first_step: int | None = None
+        self._grad_hooks: list[Any] = []
+        self._pending: dict[str, int] = {}  # board key -> forwards waited for it
+        self._told: set[str] = set()  # kinds of difference already warned about
+        self._posted: list[str] = []  # this rank's records still up
+        reducer = model.reducer
+        for index, param in enumerate(reducer.params):
+            self._grad_hooks.append(param.register_hook(
+                functools.partial(_first_grad_hook, weakref.ref(self), index)))
+
+    @property
+    def model(self) -> Any:
+        """The model checked (None once it has been freed)."""
+        return self._model()
+
+    def remove(self) -> None:
+        """Stop checking (the step-1 gradient hooks go too)."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        self.every = None
+
+    # ---- identical data: the first synchronised backward's local gradients -----------------
+    def first_grad(self, index: int, grad: torch.Tensor) -> None:
+        """A parameter's local gradient arrived (its tensor hook): hash it if it belongs to the
+        first synchronised backward."""
+        model = self.model
+        if model is None or not model.reducer.step.expect_hooks:
+            return  # not an armed backward (no_sync, a backward of the bare module)
+        if self._first_step is None:
+            self._first_step = model.reducer.step.num_iterations
+        if index not in self._first:
+            self._first[index] = [float(grad.sum(dtype=torch.float64)),
+                                  float(grad.abs().sum(dtype=torch.float64))] \
+                if not grad.is_sparse else None
+
+    def _post_first_grads(self) -> None:
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        sums = [self._first.get(i) for i in range(len(self.model.reducer.params))]
+        digest = hashlib.sha1(repr(sums).encode()).hexdigest()
+        zero = all(s is None or s == [0.0, 0.0] for s in sums)
+        self.board.post("first_grads", {"step": self._first_step, "hash": digest, "zero": zero})
+        self._pending["first_grads"] = 0
+
+    def _compare_first_grads(self, records: dict[int, Any]) -> None:
+        if any(r["zero"] for r in records.values()):
+            return  # no gradient at all (frozen, or a zero loss): nothing to tell apart
+        groups = identical_groups({r: rec["hash"] for r, rec in records.items()})
+        if not groups:
+            return
+        everyone = len(groups) == 1 and len(groups[0]) == len(records)
+        who = "every rank" if everyone else " and ".join(f"ranks {g}" for g in groups)
+        self._tell("identical_data", (
+            f"{who} computed bitwise identical local gradients in the first "
+            f"synchronised step (step {records[self.board.rank]['step']}, before the "
+            "all-reduce): those ranks trained on the same batch, so they do the work of one "
+            f"and see 1/{len(records)} of the data each epoch they should. Identical data on "
+            f"all ranks (no DistributedSampler): {SAMPLER_FIX}. See docs/debugging.md."),
+            strict=False)  # a warning in any mode: a test may feed every rank one batch
+
+    # ---- diverging replicas: parameters, buffers, modes, parameter sets --------------------
+    def before_forward(self, step: int, buffers_synced: bool) -> None:
+        """The model's synchronised forward ``step``, after the buffer broadcast: post this
+        rank's hashes when a check is due, compare what the peers have posted."""
+        if self._first and self._grad_hooks:
+            self._post_first_grads()
+        if self.every is not None and (step == 1 or step % self.every == 0):
+            self._post_replica(step, buffers_synced)
+        if self._pending:
+            self._compare_pending()
+
+    def _post_replica(self, step: int, buffers_synced: bool) -> None:
+        model = self.model
+        ignore = model.parameters_to_ignore
+        module = model.module
+        tensors = [(f"parameter {n}", p) for n, p in module.named_parameters()
+                   if n not in ignore]
+        if buffers_synced:
+            tensors += [(f"buffer {n}", b) for n, b in module.named_buffers() if n not in ignore]
+        synced = set(model.reducer.names)
+        unsynced = [n for n, p in module.named_parameters()
+                    if p.requires_grad and n not in ignore and n not in synced]
+        record = {"step": step, "names": [n for n, _ in tensors],
+                  "hashes": [bits_hash(t) for _, t in tensors],
+                  "eval": [n or type(module).__name__ for n, m in module.named_modules()
+                           if not m.training],
+                  "unsynced": unsynced}
+        key = f"replicas/{step}"
+        self.board.post(key, record)
+        if len(self._posted) == 2:  # every peer has compared the one before the last: a rank
+            self.board.remove(self._posted.pop(0))  # is never more than one step behind
+        self._posted.append(key)
+        self._pending[key] = 0
+        if unsynced:
+            self._tell("unsynced", (
+                f"rank {self.board.rank}: parameters {', '.join(unsynced[:8])} "
+                "require a gradient but DataParallelModel does not synchronise them: they were "
+                "added to the model (or set to requires_grad=True) after it was wrapped, so "
+                "their gradients stay local and the ranks drift apart. Build the whole model, "
+                "then wrap it (wrap again after changing it). See docs/debugging.md."))
+
+    def _compare_pending(self) -> None:
+        for key in list(self._pending):
+            records = self.board.read_all(key)
+            if records is None:
+                self._pending[key] += 1
+                if self._pending[key] > _PATIENCE:  # a peer stopped (join, or it is gone)
+                    del self._pending[key]
+                continue
+            del self._pending[key]
+            if key == "first_grads":
+                self._compare_first_grads(records)
+            else:
+                self._compare_replicas(records)
+
+    def _compare_replicas(self, records: dict[int, Any]) -> None:
+        step = records[self.board.rank]["step"]
+        modes = {r: sorted(rec["eval"]) for r, rec in records.items()}
+        if len({repr(m) for m in modes.values()}) > 1:
+            odd, agree = odd_ranks(modes)
+            shown = "; ".join(f"rank {r}: {', '.join(modes[r][:6]) or 'none'}"
+                              f"{' …' if len(modes[r]) > 6 else ''}" for r in sorted(modes))
+            self._tell("modes", (
+                f"the ranks run different train/eval modes at step {step}: modules in "
+                f"eval() mode — {shown} ({apart(odd, agree)}). model.eval() on "
+                "some ranks (to evaluate) without model.train() afterwards, so dropout and "
+                "batch norm compute differently per rank. Call model.train() after evaluating "
+                "(and evaluate through model.module under torch.no_grad()). See "
+                "docs/debugging.md."))
+        names = {r: rec["names"] for r, rec in records.items()}
+        if len({repr(n) for n in names.values()}) > 1:
+            odd, agree = odd_ranks(names)
+            extra = sorted(set(names[odd[0]]) ^ set(names[agree[0]]))
+            self._tell("names", (
+                f"the ranks hold different parameters or buffers at step {step}: "
+                f"{apart(odd, agree)} in {', '.join(extra[:6])}. The model was changed on some ranks "
+                "after wrapping. Change the model on every rank, before wrapping it. See "
+                "docs/debugging.md."))
+            return
+        differ = []
+        for i, name in enumerate(names[self.board.rank]):
+            hashes = {r: rec["hashes"][i] for r, rec in records.items()}
+            if len({repr(h) for h in hashes.values()}) > 1:
+                differ.append((name, *odd_ranks(hashes)))
+        if differ:
+            name, odd, agree = differ[0]
+            more = (f" (and {len(differ) - 1} more: "
+                    f"{', '.join(n for n, _, _ in differ[1:5])}{' …' if len(differ) > 5 else ''})"
+                    if len(differ) > 1 else "")
+            self._tell("tensors", (
+                f"the replicas differ at step {step}: in {name}, {apart(odd, agree)}"
+                f"{more}. Each rank now trains a different model (torch DDP "
+                "keeps them equal only by construction, and says nothing). Typical cause: "
+                "weights loaded or edited on some ranks only after wrapping — e.g. "
+                "model.module.load_state_dict(...) on rank 0: load on every rank (or before "
+                "wrapping), with map_location; also a rank-local optimizer state, or a "
+                "nondeterministic op. See docs/debugging.md."))
+
+    def _tell(self, kind: str, text: str, strict: bool | None = None) -> None:
+        if strict if strict is not None else self.strict:
+            # Posted for a peer that waits on this rank (the debug switch's fingerprints).
+            self.board.post("verdict", PREFIX + text)
+            raise ReplicasDifferError(PREFIX + text)
+        if kind not in self._told:
+            self._told.add(kind)
+            logger.warning("%s%s", PREFIX, text)
+
+
+def _first_grad_hook(check_ref: weakref.ref, index: int, grad: torch.Tensor) -> None:
+    check = check_ref()
+    if check is not None:
+        check.first_grad(index, grad)

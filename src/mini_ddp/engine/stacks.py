@@ -1,0 +1,290 @@
+"""Where is a rank? Its Python stack, asked for through the process group's store.
+
+When a stall warning names a late rank, the waiting rank asks that rank *where* it is, the way
+``py-spy dump`` would, but without logging into its host: every rank of a model runs one small
+daemon thread, a :class:`StackResponder`, that blocks in ``store.wait`` on its own request key
+(``ask/<rank>``). :func:`ask_stacks` sets that key; the responder wakes, formats the Python stacks
+of the threads that matter — the main thread, and any other thread inside mini_ddp's gradient
+path (the thread running backward, when it is not the main one) — with :mod:`traceback`, and
+writes them under ``stack/<rank>``. It works across hosts and on every backend, because the
+only channel is the store every rank already shares.
+
+Cost on the happy path: none per step. The responder's one ``store.wait`` sits on a connection
+of its own (a TCPStore client serialises its requests, so a wait on the shared connection would
+block every other store call of the process); the thread holds no lock and never runs until
+asked. Asking costs, per late rank: one ``add`` and one ``set`` from each asker, the responder's
+``get``/``delete``/``add``/``set`` (requests that arrive together are answered once), and the
+asker's polls of the answer key every 50 ms until it comes (usually within one poll) or
+``answer_s`` passes. See docs/reliability.md for how that scales.
+
+A rank whose threads cannot run Python — stuck in native code that holds the GIL, or dead —
+cannot answer; :func:`ask_stacks` then says so ("did not answer within N s").
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import os
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mini_ddp.engine.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
+
+logger = logging.getLogger("mini_ddp")
+
+ANSWER_S = 5.0
+"""How long an asker waits for a rank's stack before naming it as one that did not answer."""
+TIMEOUT_ANSWER_S = 1.0
+"""The same, for the ask of a ``GradSyncTimeout``: the deadline has already passed, and a rank
+whose responder runs answers within a poll or two."""
+STOP_S = 0.5
+"""How long stopping a responder waits for the store to take the wake-up (at exit, or when the
+model goes): a frozen store must not hold up either."""
+MAX_FRAMES = 14
+"""Innermost frames kept per thread (the outer ones are the launcher's and the harness's)."""
+_POLL_S = 0.05
+_WAIT = datetime.timedelta(hours=12)  # the responder's store.wait: re-armed when it expires
+_ENGINE_DIR = str(Path(__file__).resolve().parent)
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+                      | {str(Path(__file__).resolve().parents[1])})
+
+
+def _in_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) or filename.startswith("<")
+
+
+def thread_stacks(skip: int | None = None) -> list[dict[str, Any]]:
+    """This process's stacks worth showing: the main thread, and every other thread with a
+    frame in mini_ddp's engine (where gradient hooks and the end-of-backward wait run).
+
+    Each entry: ``{"thread", "main", "frames": [[file, line, function, source], ...],
+    "where": "function (file:line)"}`` — frames oldest first (as a Python traceback), at most
+    :data:`MAX_FRAMES`; ``where`` is the innermost frame outside torch, mini_ddp and the
+    standard library (the user's line), else the innermost frame. ``skip``: a thread ident
+    to leave out (the responder's own).
+    """
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    found = []
+    for ident, frame in sys._current_frames().items():
+        if ident == skip:
+            continue
+        summary = traceback.extract_stack(frame)
+        if ident != main and not any(f.filename.startswith(_ENGINE_DIR) for f in summary):
+            continue
+        # From the first frame of the user's own (the launcher's bootstrap before it is noise).
+        first = next((i for i, f in enumerate(summary) if not _in_library(f.filename)), 0)
+        frames = [[f.filename, f.lineno, f.name, (f.line or "").strip()]
+                  for f in summary[first:][-MAX_FRAMES:]]
+        user = next((f for f in reversed(summary) if not _in_library(f.filename)),
+                    summary[-1] if summary else None)
+        found.append({"thread": names.get(ident, str(ident)), "main": ident == main,
+                      "frames": frames,
+                      "where": "" if user is None
+                      else f"{user.name} ({user.filename}:{user.lineno})"})
+    found.sort(key=lambda t: not t["main"])
+    return found
+
+
+def _short(path: str) -> str:
+    """``path`` relative to the current directory when it lies below it (as pytest shows)."""
+    here = os.getcwd() + os.sep
+    return path[len(here):] if path.startswith(here) else path
+
+
+def format_stacks(threads: list[dict[str, Any]], indent: str = "    ") -> str:
+    """The text of :func:`thread_stacks`' result, most recent call last, one line a frame."""
+    lines = []
+    for t in threads:
+        where = t["where"]
+        if where.endswith(")") and " (" in where:
+            name, _, place = where[:-1].partition(" (")
+            where = f"{name} ({_short(place)})"
+        lines.append(f"{indent}thread {t['thread']!r}{' (main)' if t['main'] else ''}, "
+                     f"in {where}:")
+        for filename, line, function, source in t["frames"]:
+            lines.append(f"{indent}  {_short(filename)}:{line} in {function}"
+                         + (f": {source}" if source else ""))
+    return "\n".join(lines)
+
+
+class StackResponder:
+    """One rank's answering thread; ``stop()`` ends it (also called when the model goes).
+
+    ``store`` is the prefixed store the askers use; the responder waits on a clone of it (its
+    own connection). ``on_ask(stacks, request)`` runs in the thread after each answer — the
+    flight recorder dumps there — and is held weakly, so the thread keeps nothing alive.
+    """
+
+    def __init__(self, store: Any, rank: int,
+                 on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None):
+        self.rank = rank
+        self._stop = threading.Event()
+        own = store.clone()  # raises for stores that cannot open a second connection
+        # stop() wakes the thread through a connection of its own: by then the process group,
+        # and the connection it shares, may be destroyed (see _join_responders_at_exit).
+        self._waker = store.clone()
+        callback = None if on_ask is None else weakref.WeakMethod(on_ask) \
+            if hasattr(on_ask, "__self__") else (lambda: on_ask)
+        self.thread = threading.Thread(target=_serve, args=(own, rank, self._stop, callback),
+                                       name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
+        self.thread.start()
+        _THREADS.add(self.thread)
+
+    def stop(self) -> None:
+        """End the thread: set the stop flag, then wake its wait (idempotent, never raises)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:  # bounded: a frozen store must not hold up the model's deletion, or the exit
+            bounded_store_call(self._waker, lambda s: s.set(f"ask/{self.rank}",
+                                                            json.dumps({"stop": True})),
+                               STOP_S, "waking the stack responder")
+        except StoreUnanswered:  # the store is gone or frozen: the thread is a daemon
+            pass
+
+
+_RESPONDERS: weakref.WeakSet[StackResponder] = weakref.WeakSet()
+_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_LAST_SERVE_END = [float("-inf")]  # monotonic time a responder thread last left _serve
+_THREAD_SETTLE_S = 0.25
+
+
+@atexit.register
+def _join_responders_at_exit() -> None:
+    """Stop every live responder and join every responder thread before the interpreter
+    finalises.
+
+    A daemon thread still inside the store's C++ wait when Python shuts down is ended by
+    forced unwinding through C++ frames on its way back to the GIL, and the process aborts
+    ("terminate called without an active exception") after the script has finished. A
+    responder stopped earlier (its model collected) may still be on its way out: it is
+    joined too.
+    """
+    for responder in list(_RESPONDERS):
+        responder.stop()
+    for thread in list(_THREADS):
+        thread.join(timeout=2.0)
+    # A joined thread has left Python, not yet its OS thread: C++ thread-local state (the
+    # store client's) is torn down after that. Exiting meanwhile runs static destructors under
+    # it and aborts the same way; a responder that ended moments ago gets that moment.
+    settle = _THREAD_SETTLE_S - (time.monotonic() - _LAST_SERVE_END[0])
+    if settle > 0:
+        time.sleep(settle)
+
+
+def start_responder(store: Any, rank: int, owner: Any,
+                    on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None
+                    ) -> StackResponder | None:
+    """A :class:`StackResponder` that stops when ``owner`` is garbage-collected (None when the
+    store cannot give the thread a connection of its own: then nobody can ask this rank)."""
+    try:
+        responder = StackResponder(store, rank, on_ask)
+    except Exception as error:  # noqa: BLE001 - e.g. a HashStore: stacks just go unasked
+        logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
+        return None
+    weakref.finalize(owner, responder.stop).atexit = False  # exit: _join_responders_at_exit
+    _RESPONDERS.add(responder)
+    return responder
+
+
+def _serve(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
+    try:
+        _serve_requests(store, rank, stop, callback)
+    finally:
+        _LAST_SERVE_END[0] = time.monotonic()
+
+
+def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
+    ask, count, answer = f"ask/{rank}", f"asked/{rank}", f"stack/{rank}"
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            store.wait([ask], _WAIT)
+        except Exception:  # noqa: BLE001 - expired (re-arm) or the store is gone (end)
+            if stop.is_set() or time.monotonic() - started < 60:
+                return  # not the long wait expiring: the store failed
+            try:
+                store = store.clone()  # a fresh connection: a timed-out one may be confused
+            except Exception:  # noqa: BLE001
+                return
+            continue
+        try:
+            request = json.loads(store.get(ask))
+            store.delete_key(ask)
+            if stop.is_set() or request.get("stop"):
+                return
+            generation = store.add(count, 0)  # every request counted so far gets this answer
+            stacks = thread_stacks(skip=threading.get_ident())
+            store.set(answer, json.dumps({"generation": generation, "time": time.time(),
+                                          "asked_at": request.get("time"), "stacks": stacks}))
+        except Exception:  # noqa: BLE001 - the store went away while answering
+            return
+        on_ask = None if callback is None else callback()
+        if on_ask is not None:
+            try:
+                on_ask(stacks, request)
+            except Exception:  # noqa: BLE001 - a failed dump must not end the responder
+                logger.exception("mini_ddp: rank %d could not write its flight recorder dump",
+                                 rank)
+
+
+def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,
+               asked_by: int | None = None, why: str = "",
+               call_s: float = STORE_CALL_S) -> dict[int, dict[str, Any]]:
+    """Ask each of ``ranks`` for its stacks; wait up to ``answer_s`` for all of them.
+
+    Returns ``{rank: answer}``: an answer is ``{"answered": True, "stacks": [...], "time"}``, or
+    ``{"answered": False, "waited_s": answer_s}`` for a rank that did not answer in time. Every
+    store call runs off this thread with a deadline of ``call_s``
+    (:func:`~mini_ddp.engine.bounded_store.bounded_store_call`): a store that does not answer
+    raises :class:`~mini_ddp.engine.bounded_store.StoreUnanswered`, never blocks.
+    """
+    now = time.time()
+    request = json.dumps({"from": asked_by, "time": now, "why": why, "answer_s": answer_s})
+
+    def send(s: Any) -> dict[int, int]:
+        generations = {}
+        for rank in ranks:
+            generations[rank] = s.add(f"asked/{rank}", 1)
+            s.set(f"ask/{rank}", request)
+        return generations
+
+    def replies(s: Any) -> dict[int, dict[str, Any]]:
+        return {rank: json.loads(s.get(f"stack/{rank}")) for rank in ranks
+                if rank not in found and s.check([f"stack/{rank}"])}
+
+    generations = bounded_store_call(store, send, call_s, "asking for stacks")
+    found: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + answer_s
+    while True:
+        for rank, reply in bounded_store_call(store, replies, call_s, "reading stacks").items():
+            if reply["generation"] >= generations[rank]:
+                found[rank] = {"answered": True, "stacks": reply["stacks"],
+                               "time": reply["time"]}
+        if len(found) == len(ranks) or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    for rank in ranks:
+        found.setdefault(rank, {"answered": False, "waited_s": answer_s})
+    return found
+
+
+def describe_answer(rank: int, answer: dict[str, Any]) -> str:
+    """The report's lines for one rank's answer (or its silence)."""
+    if not answer["answered"]:
+        return (f"    rank {rank} did not answer within {answer['waited_s']:g} s: no Python "
+                "thread of it can run (stuck in native code that holds the GIL), or its process "
+                "is gone")
+    return f"    where rank {rank} is (Python stacks, most recent call last):\n" + \
+        format_stacks(answer["stacks"], indent="      ")
