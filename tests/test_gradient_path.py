@@ -175,15 +175,20 @@ def test_one_gradients_default_path_is_short_and_the_page_names_it():
 
 
 class _CountMuls(TorchDispatchMode):
-    """Counts the multiplications dispatched while it is active (any thread autograd uses)."""
+    """Counts the multiplications and the copies (one-tensor and foreach) dispatched while it
+    is active (any thread autograd uses)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.muls = 0
+        self.muls = self.copies = self.foreach_copies = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_):
             self.muls += 1
+        elif func.overloadpacket == torch.ops.aten.copy_:
+            self.copies += 1
+        elif func.overloadpacket == torch.ops.aten._foreach_copy_:
+            self.foreach_copies += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -205,3 +210,26 @@ def test_the_default_path_scales_each_bucket_once_not_each_gradient(one_rank_gro
     buckets = len(model.reducer.layout.buckets)
     assert len(list(model.parameters())) == 12 and buckets == 1
     assert synced.muls - local.muls == buckets, (synced.muls, local.muls)
+
+
+def test_the_default_path_copies_each_bucket_in_once_not_each_gradient(one_rank_group):
+    # DDP copies (and scales) each gradient into its bucket view as its hook fires; the
+    # default path only notes it and copies the full bucket's gradients in one foreach copy
+    # (exact, so the same bits). One foreach copy in, one out (the write-back) per bucket.
+    torch.manual_seed(0)
+    model = DataParallelModel(nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]))
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the second forward rebuilds the buckets: count the steady state
+        model(x).sum().backward()
+    with model.no_sync():
+        with _CountMuls() as local:
+            model(x).sum().backward()
+    for p in model.parameters():
+        p.grad = None  # fresh gradients from autograd, not the bucket views
+    with _CountMuls() as synced:
+        model(x).sum().backward()
+    buckets = len(model.reducer.layout.buckets)
+    assert buckets == 1
+    assert synced.copies - local.copies == 0, (synced.copies, local.copies)
+    assert synced.foreach_copies - local.foreach_copies == 2 * buckets, (
+        synced.foreach_copies, local.foreach_copies)
