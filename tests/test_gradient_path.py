@@ -192,11 +192,9 @@ class _CountMuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_default_path_scales_each_bucket_once_not_each_gradient(one_rank_group):
-    # DDP multiplies every gradient by 1/world_size on its way into the bucket; the default
-    # path multiplies each full bucket once instead (same kernel, same scalar, same bits: the
-    # parity suites). Counted against a no_sync() backward of the same model, which runs no
-    # reducer work: the difference is the reducer's multiplies.
+def _reducer_ops(fresh_grads: bool) -> tuple[_CountMuls, _CountMuls, int]:
+    """Ops of a synced backward and of a no_sync() one (which runs no reducer work) of the same
+    model, in the steady state; ``fresh_grads``: autograd makes new ``.grad``s first."""
     torch.manual_seed(0)
     model = DataParallelModel(nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]))
     x = torch.randn(4, 8)
@@ -205,10 +203,21 @@ def test_the_default_path_scales_each_bucket_once_not_each_gradient(one_rank_gro
     with model.no_sync():
         with _CountMuls() as local:
             model(x).sum().backward()
+    if fresh_grads:
+        for p in model.parameters():
+            p.grad = None  # not the bucket views the zero-copy write-back left
     with _CountMuls() as synced:
         model(x).sum().backward()
-    buckets = len(model.reducer.layout.buckets)
-    assert len(list(model.parameters())) == 12 and buckets == 1
+    assert len(list(model.parameters())) == 12
+    return synced, local, len(model.reducer.layout.buckets)
+
+
+def test_the_default_path_scales_each_bucket_once_not_each_gradient(one_rank_group):
+    # DDP multiplies every gradient by 1/world_size on its way into the bucket; the default
+    # path multiplies each full bucket once instead (same kernel, same scalar, same bits: the
+    # parity suites). The difference from the no_sync() backward is the reducer's multiplies.
+    synced, local, buckets = _reducer_ops(fresh_grads=False)
+    assert buckets == 1
     assert synced.muls - local.muls == buckets, (synced.muls, local.muls)
 
 
@@ -216,19 +225,7 @@ def test_the_default_path_copies_each_bucket_in_once_not_each_gradient(one_rank_
     # DDP copies (and scales) each gradient into its bucket view as its hook fires; the
     # default path only notes it and copies the full bucket's gradients in one foreach copy
     # (exact, so the same bits). One foreach copy in, one out (the write-back) per bucket.
-    torch.manual_seed(0)
-    model = DataParallelModel(nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]))
-    x = torch.randn(4, 8)
-    for _ in range(2):  # the second forward rebuilds the buckets: count the steady state
-        model(x).sum().backward()
-    with model.no_sync():
-        with _CountMuls() as local:
-            model(x).sum().backward()
-    for p in model.parameters():
-        p.grad = None  # fresh gradients from autograd, not the bucket views
-    with _CountMuls() as synced:
-        model(x).sum().backward()
-    buckets = len(model.reducer.layout.buckets)
+    synced, local, buckets = _reducer_ops(fresh_grads=True)
     assert buckets == 1
     assert synced.copies - local.copies == 0, (synced.copies, local.copies)
     assert synced.foreach_copies - local.foreach_copies == 2 * buckets, (
