@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mini_ddp.tools import bench
-from mini_ddp.tools.bench_models import ENGINES, build_engine, tensor_bytes
+from mini_ddp.tools.bench_models import ENGINES, MANY_SMALL, build_engine, tensor_bytes
 from mini_ddp.training.models import ZOO
 
 
@@ -61,3 +61,52 @@ def test_summarize_pairs_blocks_and_takes_the_slowest_rank():
     assert s["median_ms"]["torch_ddp"] == pytest.approx(3000.0)
     assert s["exposed_comm_ms"]["mini_ddp"] == pytest.approx(2000.0 - 1000.0)
     assert s["over_compute"]["compute"] == 1.0
+
+
+@pytest.mark.timeout(300)
+def test_many_small_regime_reports_per_gradient_cost_and_start_up(tmp_path):
+    # The preset with tiny rounds: both many-small models, both DDPs and compute alone, the
+    # start-up rounds; world size 2 only, to stay short. Fields, never times, are checked.
+    out = tmp_path / "many_small.json"
+    rc = bench.main(["--many-small", "--world-sizes", "2", "--steps", "1", "--blocks", "2",
+                     "--warmup", "1", "--startup-rounds", "1", "--timeout", "240",
+                     "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [r["model"] for r in report["results"]] == list(MANY_SMALL)
+    assert report["sweep"] == [] and all("memory" not in r for r in report["results"])
+    engines = {"torch_ddp", "mini_ddp", "compute"}
+    for row in report["results"]:
+        assert row["num_grads"] == sum(
+            p.requires_grad for p in ZOO[row["model"]].builder().parameters()) > 150
+        assert set(row["per_grad_us"]) == engines and row["per_grad_us"]["compute"] == 0.0
+        exposed = row["exposed_comm_ms"]["mini_ddp"]
+        assert row["per_grad_us"]["mini_ddp"] == pytest.approx(exposed * 1e3 / row["num_grads"])
+        startup = row["startup"]
+        for key in ("construct_ms", "first_step_ms", "second_step_ms"):
+            assert set(startup[key]) == engines and all(v > 0 for v in startup[key].values())
+        assert startup["over_ddp"]["construct"]["torch_ddp"] == 1.0
+    text = bench.format_report(report)
+    assert "per gradient" in text and "start-up" in text
+
+
+def test_summarize_startup_takes_the_slowest_rank_and_pairs_rounds():
+    per_rank = [{"torch_ddp": {"construct": [1.0, 2.0], "first_step": [1.0, 1.0]},
+                 "mini_ddp": {"construct": [2.0, 2.0], "first_step": [0.5, 3.0]}},
+                {"torch_ddp": {"construct": [2.0, 1.0], "first_step": [1.0, 1.0]},
+                 "mini_ddp": {"construct": [1.0, 1.0], "first_step": [1.0, 1.0]}}]
+    s = bench.summarize_startup(per_rank)
+    # slowest rank per round: ddp construct [2, 2], mini [2, 2]; mini first step [1, 3]
+    assert s["construct_ms"]["mini_ddp"] == pytest.approx(2000.0)
+    assert s["over_ddp"]["construct"]["mini_ddp"] == pytest.approx(1.0)
+    assert s["over_ddp"]["first_step"]["mini_ddp"] == pytest.approx(2.0)
+
+
+def test_summarize_per_gradient_cost_is_exposed_time_over_gradients():
+    per_rank = [{"torch_ddp": {"wall": [0.012], "cpu": [0.01]},
+                 "mini_ddp": {"wall": [0.011], "cpu": [0.01]},
+                 "compute": {"wall": [0.010], "cpu": [0.01]}}]
+    s = bench.summarize(per_rank, num_grads=200)
+    assert s["per_grad_us"]["torch_ddp"] == pytest.approx(2e3 / 200)
+    assert s["per_grad_us"]["mini_ddp"] == pytest.approx(1e3 / 200)
+    assert "per_grad_us" not in bench.summarize(per_rank)  # no gradient count given

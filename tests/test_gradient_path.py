@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mini_ddp
 from mini_ddp import DataParallelModel, run_ranks
@@ -38,9 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"
 PACKAGE = str(Path(mini_ddp.__file__).resolve().parent)
 OBSERVERS = ("FlightLog.", "RuntimeLog.")
-# Measured: 25 functions in 6 files; one more (transport/wait.py's deadline arithmetic) when a
-# bucket's all-reduce has not finished by the time backward ends.
-MAX_FILES, MAX_FUNCTIONS = 6, 26
+# Measured: 26 functions in 6 files (one is the default path's whole-bucket multiply); one
+# more (transport/wait.py's deadline arithmetic) when a bucket's all-reduce has not finished by
+# the time backward ends.
+MAX_FILES, MAX_FUNCTIONS = 6, 27
 REFERENCE = re.compile(r"`(src/mini_ddp/[\w/]+\.py):([\w.]+)`")
 STEPS = 3  # the 2nd forward rebuilds the buckets; the 3rd step is the steady state
 
@@ -170,3 +172,61 @@ def test_one_gradients_default_path_is_short_and_the_page_names_it():
     assert not unnamed, (
         f"a default step runs engine functions docs/architecture.md's path table leaves out: "
         f"{unnamed}")
+
+
+class _CountMuls(TorchDispatchMode):
+    """Counts the multiplications and the copies (one-tensor and foreach) dispatched while it
+    is active (any thread autograd uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.muls = self.copies = self.foreach_copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_):
+            self.muls += 1
+        elif func.overloadpacket == torch.ops.aten.copy_:
+            self.copies += 1
+        elif func.overloadpacket == torch.ops.aten._foreach_copy_:
+            self.foreach_copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _reducer_ops(fresh_grads: bool) -> tuple[_CountMuls, _CountMuls, int]:
+    """Ops of a synced backward and of a no_sync() one (which runs no reducer work) of the same
+    model, in the steady state; ``fresh_grads``: autograd makes new ``.grad``s first."""
+    torch.manual_seed(0)
+    model = DataParallelModel(nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]))
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the second forward rebuilds the buckets: count the steady state
+        model(x).sum().backward()
+    with model.no_sync():
+        with _CountMuls() as local:
+            model(x).sum().backward()
+    if fresh_grads:
+        for p in model.parameters():
+            p.grad = None  # not the bucket views the zero-copy write-back left
+    with _CountMuls() as synced:
+        model(x).sum().backward()
+    assert len(list(model.parameters())) == 12
+    return synced, local, len(model.reducer.layout.buckets)
+
+
+def test_the_default_path_scales_each_bucket_once_not_each_gradient(one_rank_group):
+    # DDP multiplies every gradient by 1/world_size on its way into the bucket; the default
+    # path multiplies each full bucket once instead (same kernel, same scalar, same bits: the
+    # parity suites). The difference from the no_sync() backward is the reducer's multiplies.
+    synced, local, buckets = _reducer_ops(fresh_grads=False)
+    assert buckets == 1
+    assert synced.muls - local.muls == buckets, (synced.muls, local.muls)
+
+
+def test_the_default_path_copies_each_bucket_in_once_not_each_gradient(one_rank_group):
+    # DDP copies (and scales) each gradient into its bucket view as its hook fires; the
+    # default path only notes it and copies the full bucket's gradients in one foreach copy
+    # (exact, so the same bits). One foreach copy in, one out (the write-back) per bucket.
+    synced, local, buckets = _reducer_ops(fresh_grads=True)
+    assert buckets == 1
+    assert synced.copies - local.copies == 0, (synced.copies, local.copies)
+    assert synced.foreach_copies - local.foreach_copies == 2 * buckets, (
+        synced.foreach_copies, local.foreach_copies)

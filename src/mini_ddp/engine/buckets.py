@@ -329,8 +329,17 @@ class _ArmedBy:
 
     def __init__(self) -> None:
         self._entries: dict[int, list[Any]] = {}  # id(param) -> [weakref(param), weakref(layout)]
+        self._last: weakref.ref | None = None  # the layout that claimed last
 
     def claim(self, params: Sequence[torch.Tensor], layout: weakref.ref) -> None:
+        """``layout`` (a weak reference to it) armed last for each of ``params``.
+
+        Every step claims its parameters again; when the same layout claimed last (one
+        wrapper per model, the common case) nothing changed since: no walk over them.
+        """
+        if self._last is layout:
+            return
+        self._last = layout
         for p in params:
             entry = self._entries.get(id(p))
             if entry is None or entry[0]() is not p:

@@ -157,6 +157,8 @@ def result_tensor(value: object, hook: object, bucket: GradBucket) -> torch.Tens
     """
     if hook is None and isinstance(value, list) and len(value) == 1:
         value = value[0]  # the default path: dist.all_reduce's future holds [tensor]
+        if value is bucket.buffer():
+            return value  # the bucket's own buffer, reduced in place: its shape by making
     name = hook_name(hook) if hook is not None else "allreduce_sum_hook"
     if not isinstance(value, torch.Tensor):
         hint = (" A Future from dist.all_reduce(...).get_future() holds a list: return "

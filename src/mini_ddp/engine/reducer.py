@@ -7,11 +7,12 @@ reader may hold that file beside this one (docs/architecture.md has the glossary
 1. :meth:`Reducer.autograd_hook` — a post-hook on the parameter's ``AccumulateGrad`` node
    fires once autograd has written ``param.grad``. It calls
    :meth:`~Reducer.mark_variable_ready`.
-2. :meth:`~Reducer.mark_variable_ready` copies the gradient into its bucket view,
-   *multiplied* by ``1/world_size`` (DDP's exact arithmetic, in :meth:`~Reducer.copy_grad_in`,
-   the one place gradients are scaled), and counts the bucket down. A full bucket is launched
-   as soon as every earlier bucket has been (:meth:`~Reducer.mark_bucket_ready`): always in
-   bucket order, so every rank issues the same collectives in the same order.
+2. :meth:`~Reducer.mark_variable_ready` copies the gradient into its bucket view
+   (:meth:`~Reducer.copy_grad_in`) and counts the bucket down. A full bucket is *multiplied*
+   by ``1/world_size`` at once (:meth:`~Reducer.scale_bucket`: DDP multiplies each gradient
+   while copying it in — the same kernel and scalar per element, so the same bits) and is
+   launched as soon as every earlier bucket has been (:meth:`~Reducer.mark_bucket_ready`):
+   always in bucket order, so every rank issues the same collectives in the same order.
 3. :meth:`~Reducer.all_reduce_bucket` launches it through the comm-hook door
    (:func:`mini_ddp.engine.hooks.launch_hook`, which runs a registered hook or the default
    all-reduce) — or, for two ranks on one machine, through shared memory
@@ -39,6 +40,7 @@ own bucket, and ``skip_all_reduce_unused_params`` leaving out buckets of unused 
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -131,6 +133,10 @@ class StepState:
     tracks_used: bool = False        # hooks fill the used map
     records_order: bool = False      # hooks record the gradient-ready order for the rebuild
     expect_hooks: bool = False       # a synced backward is expected
+    # Settled once the first hook of a synced backward has done the once-per-backward work:
+    # no used map, no static graph, no order to record — every other hook of this backward
+    # only marks its gradient ready (Reducer.autograd_hook's first branch).
+    plain: bool = False
     forward_running: bool = False    # a synced forward has not returned yet
     synced_this_step: bool = False   # a synced backward finished; no forward since
     require_finalize: bool = False   # some gradient was marked ready and not yet finished
@@ -181,6 +187,7 @@ class StepState:
         nothing launched."""
         self.expect_hooks = True
         self.backward_counted = False  # the armed backward is a new one, even after no_sync
+        self.plain = False  # settled again by the first hook
         self.synced_this_step = False
         self.next_bucket = 0
         if static_graph:
@@ -195,6 +202,7 @@ class StepState:
         self.synced_this_step = True
         self.require_finalize = False
         self.backward_counted = False
+        self.plain = False
 
     def unarmed(self, rank: int, name: str, index: int) -> UnarmedBackwardError | None:
         """A hook fired while no synced backward is expected: the error to raise, if any.
@@ -211,6 +219,10 @@ class StepState:
     def missing(self) -> list[int]:
         """Parameters not marked ready in this iteration."""
         return [i for i in range(self.num_params) if i not in self.ready]
+
+
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _grad_accumulator(param: torch.Tensor) -> Any:
@@ -247,6 +259,7 @@ class Reducer(TorchReducerAPI):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.div_factor = self.world_size  # what gradients are averaged over (join may change it)
+        self.scales_whole_buckets = False  # set with comm_hook, just below
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
         self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
@@ -290,8 +303,26 @@ class Reducer(TorchReducerAPI):
 
     @div_factor.setter
     def div_factor(self, value: int) -> None:
-        self._div_factor = value
-        self._scale = scale_tensor(value)
+        # Set before every forward (join may change it): the scalar tensor is made only anew.
+        if getattr(self, "_div_factor", None) != value:
+            self._div_factor = value
+            self._scale = scale_tensor(value)
+
+    @property
+    def comm_hook(self) -> CommHook | None:
+        """The registered comm hook (as prepared), or None: the default all-reduce.
+
+        (The per-step path reads ``_comm_hook``, saving a call per read.)
+        """
+        return self._comm_hook
+
+    @comm_hook.setter
+    def comm_hook(self, hook: CommHook | None) -> None:
+        self._comm_hook = hook
+        # Settled here, not per gradient: whether gradients are copied in unscaled and each
+        # full bucket is multiplied once (copy_grad_in, scale_bucket) — the default path.
+        self.scales_whole_buckets = (hook is None and not self.config.batched_grad_copy
+                                     and not self.config.gradient_as_bucket_view)
 
     def _through_transport(self, bucket: bucketing.Bucket) -> bool:
         """Is this step's all-reduce of ``bucket`` the shared-memory one (not Gloo's)?"""
@@ -370,6 +401,12 @@ class Reducer(TorchReducerAPI):
         """The hook of parameter ``index``: autograd has written its ``.grad``."""
         step = self.step
         with self._lock:
+            if step.plain:  # the steady state: the first hook of this backward decided it all
+                if self.trace is not None:
+                    self.trace.record("hook", param=index)
+                step.ready_order.append(index)  # the logging data's ready order, as torch's
+                self.mark_variable_ready(index)
+                return
             # DDP's autograd_hook does this in *every* backward, synced or not: a parameter used
             # only inside no_sync() still counts as used at the synced step (its accumulated
             # grad is then averaged, not left local). A static graph's no_sync() backwards
@@ -401,6 +438,8 @@ class Reducer(TorchReducerAPI):
                     writeback.reclaim_buffers(self.layout.buckets, self.transport)
                 for unused_index in self.unused_search.unused:
                     self.mark_variable_ready(unused_index)
+                step.plain = not (step.tracks_used or step.records_order
+                                  or self.config.static_graph)
             if self.config.static_graph and not step.last_static_hook(index, self.names[index],
                                                                       self.rank):
                 return  # hooks fire several times (e.g. checkpointing): wait for the last
@@ -418,10 +457,19 @@ class Reducer(TorchReducerAPI):
         step.require_finalize = True
         bucket_index, position = self.layout.locator[index]
         bucket = buckets[bucket_index]
-        self.copy_grad_in(bucket, position)
+        # The default path's common case inline (copy_grad_in's first branch, one call less
+        # per gradient): note the gradient for scale_bucket's one copy of the bucket.
+        if self.scales_whole_buckets and not bucket.sparse \
+                and (grad := bucket.params[position].grad) is not None:
+            if grad is not bucket.views[position]:
+                bucket.deferred.append(position)
+        else:
+            self.copy_grad_in(bucket, position)
         bucket.pending -= 1
         if bucket.pending == 0:
-            if self.config.batched_grad_copy:
+            if self.scales_whole_buckets:
+                self.scale_bucket(bucket)
+            elif self.config.batched_grad_copy:
                 self.flush_batched(bucket)
             if self.trace is not None:
                 self.trace.record("bucket_ready", bucket=bucket_index)
@@ -434,15 +482,22 @@ class Reducer(TorchReducerAPI):
                 Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def copy_grad_in(self, bucket: bucketing.Bucket, position: int) -> None:
-        """Put ``bucket.params[position]``'s gradient into its view of the bucket, scaled.
+        """Put ``bucket.params[position]``'s gradient into its view of the bucket.
 
-        The one place gradients are scaled. Without a comm hook, DDP multiplies by
-        ``1/world_size`` *while copying* (``mul_out`` with a double scalar); with a hook it
-        copies unscaled, since the hook averages. ``x * (1/3)`` differs from ``x / 3`` in about
-        a third of fp32 values, so this is where bitwise parity is won. DDP's variants:
+        Without a comm hook, DDP multiplies by ``1/world_size`` *while copying* (``mul_out``
+        with a double scalar); with a hook it copies unscaled, since the hook averages.
+        ``x * (1/3)`` differs from ``x / 3`` in about a third of fp32 values, so how a
+        gradient is scaled is where bitwise parity is won. The default path
+        (:attr:`scales_whole_buckets`) only copies here, and :meth:`scale_bucket` multiplies
+        the full bucket once: the same kernel and the same scalar on every element, so the
+        same bits as DDP's per-gradient ``mul_out``, for one call per bucket instead of one
+        per gradient. DDP's variants:
 
         * a sparse gradient becomes its bucket, divided in place (a true division, DDP's
           ``mark_variable_ready_sparse``);
+        * ``gradient_as_bucket_view=True``: a gradient that already is its view is divided
+          in place (DDP's ``div_``, a true division), any other one is multiplied into it,
+          one gradient at a time, as DDP does;
         * ``batched_grad_copy=True`` only *notes* a gradient that is not already the view;
           :meth:`flush_batched` copies the noted ones when the bucket is full and divides the
           whole flat bucket once (a true division — the bits differ from the default path's
@@ -450,12 +505,11 @@ class Reducer(TorchReducerAPI):
           once; one that requires grad (``create_graph=True``) bypasses batching and is then
           divided a second time by the flat ``div_``, as in DDP.
         """
-        hooked = self.comm_hook is not None
         if bucket.sparse:  # the sparse .grad becomes the bucket (mini_ddp.engine.buckets)
             grad = check_sparse_grad(bucket.params[0].grad, self.names[bucket.param_indices[0]],
                                      self.rank)
             bucket.buffer = grad
-            if not hooked:
+            if self._comm_hook is None:
                 grad.div_(self.div_factor)  # DDP: a true division, on the .grad itself
             return
         param, view = bucket.params[position], bucket.views[position]
@@ -466,17 +520,18 @@ class Reducer(TorchReducerAPI):
                 raise UndefinedButUsedError(self.rank, self.names[index], index)
             view.zero_()  # marked ready without a gradient: contribute zeros
             return
+        if self.scales_whole_buckets:
+            # A gradient the zero-copy write-back left as the view is already in place; any
+            # other is copied by scale_bucket, with the bucket's others, in one call.
+            if grad is not view:
+                bucket.deferred.append(position)
+            return
+        hooked = self._comm_hook is not None
         batched, as_bucket_view = self.config.batched_grad_copy, self.config.gradient_as_bucket_view
         if grad is view or (as_bucket_view and shares_storage(grad, bucket.buffer)):
             # The gradient already *is* the bucket view, and autograd accumulated into it.
-            if hooked or batched:
-                return  # a hook averages; batched: the flat div_ scales it
-            if as_bucket_view:
+            if not (hooked or batched):  # a hook averages; batched: the flat div_ scales it
                 view.div_(self.div_factor)  # DDP divides in place here: a true division
-            else:
-                # Zero-copy write-back left it here: the default path's multiply, in
-                # place — the same kernel and scalar as below, so the same bits.
-                torch.mul(view, self._scale, out=view)
             return
         if batched and not grad.requires_grad:
             bucket.deferred.append(position)  # DDP's defer: flush_batched copies it
@@ -486,9 +541,37 @@ class Reducer(TorchReducerAPI):
         elif grad.requires_grad:  # create_graph=True: the copy must not join the graph
             view.copy_(torch.mul(grad.detach(), 1.0 / self.div_factor))
         else:
-            torch.mul(grad, self._scale, out=view)  # DDP's mul_out: where parity is won
+            torch.mul(grad, self._scale, out=view)  # DDP's mul_out
         if as_bucket_view:
             assign_grad(param, view)
+
+    def scale_bucket(self, bucket: bucketing.Bucket) -> None:
+        """The default path: the bucket is full, copy its gradients in and multiply it by
+        ``1/world_size``, each at once.
+
+        DDP multiplies each gradient on its way in (``mul_out`` with the wrapped double
+        ``1/world_size``); one in-place multiply of the flat buffer by the same 0-dim double
+        tensor runs the same elementwise kernel on every element, so the bits are the same
+        (tests/test_core_parity.py compares them with torch DDP at world size 3). The copies
+        are exact, so doing them here, in one ``torch._foreach_copy_``, changes no bit either:
+        it saves a Python call per gradient, which is most of the hook's cost on many small
+        parameters.
+        """
+        if bucket.sparse:  # divided on its way in
+            return
+        if bucket.deferred:
+            self._copy_deferred(bucket)
+            bucket.deferred.clear()
+        bucket.buffer.mul_(self._scale)
+
+    @staticmethod
+    def _copy_deferred(bucket: bucketing.Bucket) -> None:
+        """Copy the gradients :meth:`copy_grad_in` only noted into their bucket views."""
+        # map(), not comprehensions: no Python frame per gradient.
+        grads = list(map(_GRAD, map(bucket.params.__getitem__, bucket.deferred)))
+        if any(map(_REQUIRES_GRAD, grads)):  # create_graph=True: the copy must not join it
+            grads = [grad.detach() for grad in grads]
+        torch._foreach_copy_(list(map(bucket.views.__getitem__, bucket.deferred)), grads)
 
     def flush_batched(self, bucket: bucketing.Bucket) -> None:
         """``batched_grad_copy``: the bucket is full, copy its noted gradients in at once
@@ -496,13 +579,12 @@ class Reducer(TorchReducerAPI):
         if bucket.sparse:
             return  # divided on its way in
         if bucket.deferred:
-            torch._foreach_copy_([bucket.views[i] for i in bucket.deferred],
-                                 [bucket.params[i].grad for i in bucket.deferred])
+            self._copy_deferred(bucket)
             if self.config.gradient_as_bucket_view:
                 for i in bucket.deferred:
                     bucket.params[i].grad = bucket.views[i]
             bucket.deferred.clear()
-        if self.comm_hook is None:
+        if self._comm_hook is None:
             bucket.buffer.div_(self.div_factor)
 
     # ---- 3. launch -----------------------------------------------------------------------
@@ -530,9 +612,9 @@ class Reducer(TorchReducerAPI):
             self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
         if self.runtime_log is not None:
             self.runtime_log.mark(BACKWARD_COMM_START)  # the first launch of the step
-        if self.comm_hook is not None:  # a user hook's errors are its own: no naming
+        if self._comm_hook is not None:  # a user hook's errors are its own: no naming
             try:
-                bucket.future = launch_hook(self.comm_hook, self.comm_hook_state, self.group,
+                bucket.future = launch_hook(self._comm_hook, self.comm_hook_state, self.group,
                                             grad_bucket)
             except RuntimeError as err:  # e.g. no future returned: logged, as torch logs it
                 if self.runtime_log is not None:
@@ -566,7 +648,9 @@ class Reducer(TorchReducerAPI):
                 for position in range(len(bucket.params)):
                     self.copy_grad_in(bucket, position)
             for bucket in buckets:
-                if self.config.batched_grad_copy:
+                if self.scales_whole_buckets:
+                    self.scale_bucket(bucket)
+                elif self.config.batched_grad_copy:
                     self.flush_batched(bucket)
                 self.all_reduce_bucket(bucket)
             self.step.next_bucket = len(buckets)
@@ -650,7 +734,7 @@ class Reducer(TorchReducerAPI):
                 if bucket.sparse:  # the result goes into the bucket, which is the .grad
                     bucketing.sparse_write_back(bucket, value)
                     continue
-                result = result_tensor(value, self.comm_hook, bucket.grad_bucket)
+                result = result_tensor(value, self._comm_hook, bucket.grad_bucket)
                 if self.trace is not None:
                     self.trace.record("complete", bucket=bucket.index)
                 writeback.write_back_bucket(bucket, result, plain=plain, zero_copy=self.zero_copy,

@@ -23,6 +23,7 @@ count (docs/limitations.md lists what breaks it).
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -42,16 +43,18 @@ if TYPE_CHECKING:
     from mini_ddp.transport.shm import SharedMemoryAllreduce
 
 
+_GRAD = operator.attrgetter("grad")
+
+
 def copy_out(bucket: Bucket) -> None:
     """The common case of :func:`write_back` for a whole bucket, in one foreach copy.
 
     DDP's copy_bucket_to_grad per parameter; the same bits (a copy), much less Python.
     """
-    grads = []
-    for param in bucket.params:
-        if param.grad is None:
-            param.grad = _fresh_grad(param)
-        grads.append(param.grad)
+    grads = list(map(_GRAD, bucket.params))  # each .grad read once: a read may wrap it
+    for i, grad in enumerate(grads):
+        if grad is None:
+            grads[i] = bucket.params[i].grad = _fresh_grad(bucket.params[i])
     torch._foreach_copy_(grads, bucket.views)
 
 

@@ -24,6 +24,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 from typing import Any
 
 import torch
@@ -34,8 +35,10 @@ from mini_ddp.tools.bench_models import (
     BENCH_BATCH,
     COMPILED,
     ENGINES,
+    MANY_SMALL,
     build_engine,
     memory_report,
+    time_startup,
 )
 from mini_ddp.tools.report import emit_report, time_blocks
 from mini_ddp.training.models import ZOO
@@ -87,8 +90,12 @@ def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]], malloc: str
                                    job["compile_backend"])
                    for n in job["engines"] + job["compiled"]}
         result: dict[str, Any] = {"blocks": time_blocks(engines, batches, job["steps"],
-                                                        job["blocks"], job["warmup"])}
+                                                        job["blocks"], job["warmup"]),
+                                  "num_grads": sum(p.requires_grad for p in base.parameters())}
         del engines
+        if job.get("startup_rounds"):
+            result["startup"] = time_startup(base, batches, job["engines"], job["cap"],
+                                             job["gabv"], spec.loss, job["startup_rounds"])
         if job["memory"]:  # several rounds, keep each engine's lowest peak (RSS is noisy)
             rounds = [memory_report(base, batches, job["cap"], job["mem_steps"], job["engines"])
                       for _ in range(job["mem_rounds"])]
@@ -105,8 +112,14 @@ def _quartiles(values: list[float]) -> list[float]:
     return statistics.quantiles(values, n=4)[::2] if len(values) > 1 else values * 2
 
 
-def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
-    """Medians, paired ratios and exposed communication from every rank's block times."""
+def summarize(per_rank: list[dict[str, dict[str, list[float]]]], num_grads: int = 0
+              ) -> dict[str, Any]:
+    """Medians, paired ratios and exposed communication from every rank's block times.
+
+    With ``num_grads`` (the model's gradient count) and a ``compute`` engine, also each
+    engine's cost per gradient: its exposed time (median step minus compute-only's) over the
+    number of gradients, in µs.
+    """
     names = list(per_rank[0])
     nblocks = len(per_rank[0][names[0]]["wall"])
     wall = {n: [max(r[n]["wall"][b] for r in per_rank) for b in range(nblocks)] for n in names}
@@ -143,20 +156,41 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, An
         out["over_compute"] = {n: paired(wall, n, "compute") for n in names}
         out["exposed_comm_ms"] = {n: out["median_ms"][n] - out["median_ms"]["compute"]
                                   for n in names}
+        if num_grads:  # what the engine adds to compute alone, spread over the gradients
+            out["per_grad_us"] = {n: out["exposed_comm_ms"][n] * 1e3 / num_grads
+                                  for n in names}
+    return out
+
+
+def summarize_startup(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
+    """Start-up times (:func:`~mini_ddp.tools.bench_models.time_startup`): per engine the
+    median over rounds of the slowest rank, in ms, and the paired ratio to torch DDP's."""
+    names = list(per_rank[0])
+    keys = list(per_rank[0][names[0]])
+    rounds = len(per_rank[0][names[0]][keys[0]])
+    slowest = {n: {k: [max(r[n][k][i] for r in per_rank) for i in range(rounds)] for k in keys}
+               for n in names}
+    out: dict[str, Any] = {f"{k}_ms": {n: statistics.median(slowest[n][k]) * 1e3 for n in names}
+                           for k in keys}
+    if "torch_ddp" in names:
+        out["over_ddp"] = {k: {n: statistics.median(x / y for x, y in zip(
+            slowest[n][k], slowest["torch_ddp"][k], strict=True)) for n in names} for k in keys}
     return out
 
 
 def _jobs(args: argparse.Namespace, world_size: int) -> list[dict[str, Any]]:
     common = {"steps": args.steps, "blocks": args.blocks, "warmup": args.warmup,
               "gabv": args.gradient_as_bucket_view, "mem_steps": args.mem_steps,
-              "mem_rounds": args.mem_rounds, "compile_backend": args.compile_backend}
+              "mem_rounds": args.mem_rounds, "compile_backend": args.compile_backend,
+              "startup_rounds": args.startup_rounds}
     jobs = [{**common, "kind": "models", "model": m, "cap": args.bucket_cap_mb,
              "engines": args.engines, "memory": not args.no_memory,
              "compiled": list(COMPILED) if args.compile else []} for m in args.models]
     if world_size == args.sweep_world_size:
         jobs += [{**common, "kind": "sweep", "model": args.sweep_model, "cap": cap,
                   "blocks": args.sweep_blocks, "engines": ["torch_ddp", "mini_ddp"],
-                  "memory": False, "compiled": []} for cap in args.sweep_caps]
+                  "memory": False, "compiled": [], "startup_rounds": 0}
+                 for cap in args.sweep_caps]
     return jobs
 
 
@@ -165,6 +199,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     cpus = os.cpu_count() or 1
     report: dict[str, Any] = {
         "machine": {"cpus": cpus, "platform": platform.platform(), "torch": torch.__version__,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "python": platform.python_version(), "backend": "gloo, CPU, 1 thread/rank",
                     "loadavg_start": os.getloadavg()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json_path", "plot_path")},
@@ -175,8 +210,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         per_rank = run_ranks(_bench_rank, ws, args=(jobs, args.malloc), timeout_s=args.timeout)
         for j, job in enumerate(jobs):
             row = {"world_size": ws, "model": job["model"], "bucket_cap_mb": job["cap"],
-                   "oversubscribed": ws > cpus, **summarize([r[j]["blocks"] for r in per_rank]),
+                   "oversubscribed": ws > cpus, "num_grads": per_rank[0][j]["num_grads"],
+                   **summarize([r[j]["blocks"] for r in per_rank], per_rank[0][j]["num_grads"]),
                    "maxrss_MiB": [r[j]["maxrss_MiB"] for r in per_rank]}
+            if "startup" in per_rank[0][j]:
+                row["startup"] = summarize_startup([r[j]["startup"] for r in per_rank])
             if job["memory"]:  # tensors: rank 0's (ranks are alike); RSS: the highest rank
                 mems = [r[j]["memory"] for r in per_rank]
                 row["memory"] = {e: {**v, **{key: max(
@@ -214,7 +252,8 @@ def _engine_row(r: dict[str, Any], e: str) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The tables printed at the end: one row per model, world size and engine; the sweep."""
     m = report["machine"]
-    lines = [f"# {m['cpus']} CPUs, {m['platform']}, torch {m['torch']}, {m['backend']}, load "
+    lines = [f"# {m['cpus']} CPUs ({m.get('cpu_capability', '?')}), {m['platform']}, torch "
+             f"{m['torch']}, {m['backend']}, load "
              f"avg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} (* oversubscribed), "
              f"malloc {report['settings'].get('malloc', 'default')}",
              "# model        ws engine                step ms  /ddp  IQR, blocks<ddp  /compute"
@@ -223,6 +262,7 @@ def format_report(report: dict[str, Any]) -> str:
     for r in report["results"]:
         lines += [_engine_row(r, e) for e in r["median_ms"]]
         lines += [_engine_row(r, e) for e in r.get("memory", {}) if e.endswith("+gabv")]
+    lines += _per_grad_lines(report["results"]) + _startup_lines(report["results"])
     compiled = [r for r in report["results"] if "over_compiled_ddp" in r]
     if compiled:
         lines.append(f"# torch.compile (backend {report['settings']['compile_backend']}, "
@@ -243,6 +283,40 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{r['median_ms']['torch_ddp']:>10.1f} {r['median_ms']['mini_ddp']:>10.1f}"
                          f" {r['over_ddp']['mini_ddp']:>8.3f}")
     return "\n".join(lines)
+
+
+def _per_grad_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The per-gradient table: exposed time over compute alone, per gradient, per engine."""
+    rows = [r for r in results if "per_grad_us" in r]
+    if not rows:
+        return []
+    lines = ["# per gradient (exposed ms over compute alone / gradients, in µs): model, ws, "
+             "grads, compute ms, then per engine µs/grad (step /ddp, paired)"]
+    for r in rows:
+        cells = "  ".join(f"{e} {r['per_grad_us'][e]:6.1f} ({r['over_ddp'][e]:.3f})"
+                          if "over_ddp" in r else f"{e} {r['per_grad_us'][e]:6.1f}"
+                          for e in r["per_grad_us"] if e != "compute")
+        lines.append(f"  {r['model']:<18}{r['world_size']:>3} {r['num_grads']:>5} "
+                     f"{r['median_ms']['compute']:>8.1f}  {cells}")
+    return lines
+
+
+def _startup_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The start-up table: wrapping a fresh copy, its first and second step, per engine."""
+    rows = [r for r in results if "startup" in r]
+    if not rows:
+        return []
+    lines = ["# start-up (median of rounds, slowest rank): model, ws, engine, construct ms, "
+             "first step ms, second step ms, each /ddp (paired)"]
+    for r in rows:
+        st = r["startup"]
+        for e in st["construct_ms"]:
+            ratio = st.get("over_ddp", {})
+            cells = "  ".join(f"{st[k + '_ms'][e]:8.1f} " + (
+                f"{ratio[k][e]:5.2f}" if ratio else "    -")
+                for k in ("construct", "first_step", "second_step"))
+            lines.append(f"  {r['model']:<18}{r['world_size']:>3} {e:<12} {cells}")
+    return lines
 
 
 def plot_sweep(report: dict[str, Any], path: str) -> None:
@@ -300,6 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile (inductor, aot_eager, ...)")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--startup-rounds", type=int, default=0,
+                   help="also time wrapping a fresh model and its first two steps, this many "
+                   "rounds per engine (0: not)")
+    p.add_argument("--many-small", action="store_true",
+                   help=f"the per-gradient regime: models {','.join(MANY_SMALL)}, engines "
+                   "torch_ddp,mini_ddp,compute, world sizes 2,3, 3 steps x 16 blocks, start-up "
+                   "5 rounds, no memory, no sweep (other flags given after it still apply)")
     p.add_argument("--quick", action="store_true",
                    help="1 step x 3 blocks, world size 2, sweep caps 1,25: minutes, not hours")
     p.add_argument("--malloc", choices=("steady", "default"), default="steady",
@@ -309,6 +390,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", dest="plot_path", help="bucket-sweep PNG")
     p.add_argument("--timeout", type=float, default=7200.0)
     args = p.parse_args(argv)
+    if args.many_small:  # a preset: flags the user gave explicitly win
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+        preset = {"--models": ("models", ",".join(MANY_SMALL)),
+                  "--engines": ("engines", "torch_ddp,mini_ddp,compute"),
+                  "--world-sizes": ("world_sizes", "2,3"), "--steps": ("steps", 3),
+                  "--blocks": ("blocks", 16), "--startup-rounds": ("startup_rounds", 5),
+                  "--sweep-world-size": ("sweep_world_size", 0)}
+        for flag, (dest, value) in preset.items():
+            if flag not in given:
+                setattr(args, dest, value)
+        args.no_memory = True
     if args.quick:
         args.steps, args.blocks, args.warmup, args.sweep_blocks = 1, 3, 2, 2
         args.world_sizes, args.sweep_caps = "2", "1,25"

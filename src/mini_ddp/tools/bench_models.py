@@ -10,6 +10,11 @@ adds only its per-rank batch size (:data:`BENCH_BATCH`):
 * ``transformer`` — a small ``nn.TransformerEncoder`` language model (4 layers, d=256):
   attention and layer norms, 3.7 M parameters in 51 tensors.
 * ``tiny`` — a 3-layer MLP for tests: milliseconds per step.
+* ``linear100`` and ``transformer_small`` (:data:`MANY_SMALL`) — 200 and 195 small tensors
+  (100 × ``Linear(64, 64)``; a 16-layer ``TransformerEncoder`` with d=64): so little arithmetic
+  per gradient that what an engine spends per gradient decides the step — the regime of a
+  GPU, whose arithmetic is ~100× faster than these CPUs' while the per-gradient work of the
+  engine is not.
 
 Engines (:func:`build_engine`): ``torch_ddp`` (torch's C++ reducer), ``mini_ddp``
 (:class:`mini_ddp.DataParallelModel`), ``naive`` (one blocking all-reduce per parameter after
@@ -25,6 +30,7 @@ import copy
 import ctypes
 import functools
 import gc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,7 +47,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 # The zoo models (mini_ddp.training.models.ZOO) the benchmark runs, and the per-rank batch
 # each is measured at: a measurement setting, so it lives here and not in the zoo.
-BENCH_BATCH: dict[str, int] = {"resnet18": 32, "mlp20m": 64, "transformer": 16, "tiny": 8}
+BENCH_BATCH: dict[str, int] = {"resnet18": 32, "mlp20m": 64, "transformer": 16, "tiny": 8,
+                               "linear100": 16, "transformer_small": 16}
+# The regime where what an engine spends per gradient decides the step (``--many-small``).
+MANY_SMALL = ("linear100", "transformer_small")
 
 ENGINES = ("torch_ddp", "mini_ddp", "naive", "compute")
 # Ablations, on request (--engines): mini_ddp with one of its own speed-ups switched off.
@@ -102,7 +111,13 @@ def build_engine(name: str, base: nn.Module, cap: float | None, gabv: bool,
         engine = build_engine(COMPILED[name], base, cap, gabv, loss)
         engine.name, engine.model = name, torch.compile(engine.model, backend=compile_backend)
         return engine
-    module = copy.deepcopy(base)
+    return wrap_engine(name, copy.deepcopy(base), cap, gabv, loss)
+
+
+def wrap_engine(name: str, module: nn.Module, cap: float | None, gabv: bool,
+                loss: str = "cross_entropy") -> Engine:
+    """Engine ``name`` around ``module`` itself (no copy): the part of :func:`build_engine`
+    that :func:`time_startup` times."""
     if name == "torch_ddp":
         model: nn.Module = DistributedDataParallel(module, bucket_cap_mb=cap,
                                                    gradient_as_bucket_view=gabv)
@@ -208,4 +223,34 @@ def memory_report(base: nn.Module, batches: list[Batch], cap: float | None, step
             "peak_pss_growth_MiB": (max(pss_samples) - pss_before) / 1024 if pss_before
             and pss_samples and min(pss_samples) else None}
         del engine
+    return out
+
+
+def time_startup(base: nn.Module, batches: list[Batch], names: list[str], cap: float | None,
+                 gabv: bool, loss: str, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per engine and round, seconds to wrap a fresh copy of ``base`` (the copy itself is not
+    timed), and of its first and second steps (the second rebuilds the buckets in both DDPs).
+
+    What a user who builds many models (sweeps, tests) pays per model. Engines take turns
+    within a round, the order rotated every round, a barrier before each; collective (every
+    rank calls it with the same names).
+    """
+    out: dict[str, dict[str, list[float]]] = {
+        n: {"construct": [], "first_step": [], "second_step": []} for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            module = copy.deepcopy(base)
+            gc.collect()
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine = wrap_engine(name, module, cap, gabv, loss)
+            t1 = time.perf_counter()
+            engine.step(batches[0])
+            t2 = time.perf_counter()
+            engine.step(batches[1 % len(batches)])
+            t3 = time.perf_counter()
+            for key, took in (("construct", t1 - t0), ("first_step", t2 - t1),
+                              ("second_step", t3 - t2)):
+                out[name][key].append(took)
+            del engine, module
     return out

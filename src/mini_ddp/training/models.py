@@ -197,6 +197,14 @@ ZOO: dict[str, ModelSpec] = {
                         "MLP 1024-2688-2688-2688-1024-10 (20 M params)"),
     "transformer": ModelSpec(TinyLM, (64,), "TransformerEncoder LM, 4 layers, d=256, seq 64",
                              input_dtype=torch.int64, num_classes=1000, target_shape=(64,)),
+    # Many small parameters: what an engine spends per gradient decides their step.
+    "linear100": ModelSpec(lambda: mlp([64] * 101), (64,),
+                           "100 x Linear(64, 64) with ReLUs (200 small tensors)"),
+    "transformer_small": ModelSpec(lambda: TinyLM(vocab=128, d_model=64, layers=16, heads=4,
+                                                  ff=128),
+                                   (16,), "TransformerEncoder LM, 16 layers, d=64, vocab 128, "
+                                   "seq 16 (195 small tensors)", input_dtype=torch.int64,
+                                   num_classes=128, target_shape=(16,), vocab=128),
 }
 
 
