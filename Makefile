@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
 	# The floor first, so the whole suite's summary is the last line of the run.
 	$(MAKE) test-floor
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 --durations=15 tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
