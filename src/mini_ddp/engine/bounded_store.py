@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["STORE_CALL_S", "StoreUnanswered", "bounded_store_call"]
+import torch.distributed as dist
+
+__all__ = ["STORE_CALL_S", "StoreUnanswered", "bounded_store_call", "default_store"]
 
 T = TypeVar("T")
 
@@ -41,6 +43,13 @@ class StoreUnanswered(RuntimeError):
     """
 
     timed_out: bool = True
+
+
+def default_store(prefix: str | None = None) -> Any:
+    """The default process group's store (the rendezvous store every rank shares), under
+    ``prefix`` when given. Raises RuntimeError or ValueError when there is no default group."""
+    store = dist.distributed_c10d._get_default_store()
+    return store if prefix is None else dist.PrefixStore(prefix, store)
 
 
 def _connection(store: Any) -> Any:

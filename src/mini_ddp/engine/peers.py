@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call
+from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call, default_store
 from mini_ddp.errors import explain_peers_with
 
 __all__ = ["FINISH_MARK_S", "READ_S", "PeerState", "describe_finished", "explain_peers",
@@ -170,10 +170,6 @@ def mark_failed(error: BaseException) -> bool:
     return mark_finished("raised", error=_failure(error) or type(error).__name__)
 
 
-def _default_store() -> Any:
-    return dist.distributed_c10d._get_default_store()
-
-
 def mark_finished(how: str, error: str = "") -> bool:
     """Leave this rank's finish mark (once per process; the first one counts): ``how`` it
     finished ("destroyed its process group", "exited cleanly", or "raised" with ``error``).
@@ -181,7 +177,7 @@ def mark_finished(how: str, error: str = "") -> bool:
     if not dist.is_available() or not dist.is_initialized():
         return False
     try:
-        store = _default_store()
+        store = default_store()
         if _state["marked"] == id(store):  # the first end counts (destroy, then exit)
             return False
         _state["marked"] = id(store)
@@ -208,7 +204,7 @@ def peer_states(world_size: int | None = None, store: Any = None,
             return {}
         world_size = dist.get_world_size() if world_size is None else world_size
         try:
-            store = _default_store() if store is None else store
+            store = default_store() if store is None else store
         except (RuntimeError, ValueError):
             return {}
     size = world_size

@@ -24,9 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-
-from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call
+from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call, default_store
 
 logger = logging.getLogger("mini_ddp")
 
@@ -48,8 +46,7 @@ class RankBoard:
     def store(self) -> Any:
         """The prefixed store (opened on first use)."""
         if self._store is None:
-            self._store = dist.PrefixStore(self._prefix,
-                                           dist.distributed_c10d._get_default_store())
+            self._store = default_store(self._prefix)
         return self._store
 
     @property

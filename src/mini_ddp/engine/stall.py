@@ -45,9 +45,12 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
-from mini_ddp.engine.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
+from mini_ddp.engine.bounded_store import (
+    STORE_CALL_S,
+    StoreUnanswered,
+    bounded_store_call,
+    default_store,
+)
 from mini_ddp.engine.flight_log import FlightLog, install_dump_signal
 from mini_ddp.engine.peers import PeerState, peer_states, watch
 from mini_ddp.engine.stacks import (
@@ -180,8 +183,7 @@ class StallMonitor:
     def store(self) -> Any:
         """The store where marks go (made on first use: the happy path never touches it)."""
         if self._store is None:
-            self._store = dist.PrefixStore(self._prefix,
-                                           dist.distributed_c10d._get_default_store())
+            self._store = default_store(self._prefix)
         return self._store
 
     # ---- install / remove -------------------------------------------------------------------
@@ -212,8 +214,7 @@ class StallMonitor:
             store = self._store
             if store is None:  # a store of its own: the happy path leaves self.store unopened
                 try:
-                    store = dist.PrefixStore(self._prefix,
-                                             dist.distributed_c10d._get_default_store())
+                    store = default_store(self._prefix)
                 except (RuntimeError, ValueError):  # no default store: stacks go unasked
                     return
             # Stops when the reducer goes (the model deleted): the thread holds nothing of it.
