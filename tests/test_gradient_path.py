@@ -39,12 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"
 PACKAGE = str(Path(mini_ddp.__file__).resolve().parent)
 OBSERVERS = ("FlightLog.", "RuntimeLog.")
-# Measured: 26 functions in 6 files (one is the default path's whole-bucket multiply); one
-# more (transport/wait.py's deadline arithmetic) when a bucket's all-reduce has not finished by
-# the time backward ends.
-MAX_FILES, MAX_FUNCTIONS = 6, 27
+# Measured at the grouped steady state: 34 functions in 7 files (the backward's first hook
+# takes the per-gradient path, the others the grouped one, and one is the whole-bucket
+# multiply); one more (transport/wait.py's deadline arithmetic) when a bucket's all-reduce has
+# not finished by the time backward ends.
+MAX_FILES, MAX_FUNCTIONS = 7, 35
 REFERENCE = re.compile(r"`(src/mini_ddp/[\w/]+\.py):([\w.]+)`")
-STEPS = 3  # the 2nd forward rebuilds the buckets; the 3rd step is the steady state
+STEPS = 5  # the 2nd forward rebuilds the buckets; the 4th groups the hooks; the 5th is steady
 
 
 class _Recorder:
@@ -75,7 +76,7 @@ class _Recorder:
             return
         where = (str(Path(code.co_filename).resolve().relative_to(ROOT)), name)
         self.everything.add(where)
-        if name == "_hook_trampoline":
+        if name in ("_hook_trampoline", "_group_hook_trampoline"):
             self.in_window = True
         if self.in_window:
             if observer or depth:

@@ -108,6 +108,14 @@ class DataParallelConfig:
     """Smaller buckets stay on Gloo: the shared-memory path costs two small Gloo syncs and a
     thread hand-off per bucket, more than Gloo needs for a few KiB."""
 
+    grouped_hooks: bool = True
+    """Once two consecutive synchronised backwards of the plain path delivered every gradient
+    in the same order, keep one autograd hook per group of 32 gradients of a bucket instead of
+    one per gradient (:mod:`mini_ddp.engine.hook_groups`): each hook copies its group into the
+    bucket at once. Same bits; every group is checked before it is copied, and a change of
+    order falls back to one hook per gradient within the same backward. ``False``: one hook
+    per gradient always, as torch DDP's reducer."""
+
     debug: bool = False
     """mini_ddp's debug switch (``DataParallelModel(debug=...)``; None there reads
     ``MINI_DDP_DEBUG=1`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): collective fingerprints and

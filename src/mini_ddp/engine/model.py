@@ -128,7 +128,10 @@ class DataParallelModel(DistributedDataParallel):
     ``debug`` — mini_ddp's debug switch (None: ``MINI_DDP_DEBUG=1`` or
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turn it on): the classic mistakes named with their fix;
     ``replica_check_every`` — compare the ranks' parameters, buffers and modes every this many
-    steps (100; None: off). See docs/debugging.md and :mod:`mini_ddp.engine.debug`.
+    steps (100; None: off). See docs/debugging.md and :mod:`mini_ddp.engine.debug`;
+    ``grouped_hooks`` — once the gradient order is known, one autograd hook per group of
+    gradients instead of one per gradient (default True; same bits, see
+    :mod:`mini_ddp.engine.hook_groups`).
     """
 
     # ==== construction ========================================================================
@@ -146,7 +149,8 @@ class DataParallelModel(DistributedDataParallel):
                  sync_timeout_s: float | None = None, stall_warning_s: float | None = 60.0,
                  zero_copy_write_back: bool = False,
                  shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 1 << 20,
-                 debug: bool | None = None, replica_check_every: int | None = 100):
+                 debug: bool | None = None, replica_check_every: int | None = 100,
+                 grouped_hooks: bool = True):
         # Not DistributedDataParallel.__init__: it would build torch's C++ reducer.
         nn.Module.__init__(self)
         Joinable.__init__(self)  # uneven inputs: see join() and mini_ddp.engine.join
@@ -222,7 +226,7 @@ class DataParallelModel(DistributedDataParallel):
             zero_copy_write_back=zero_copy_write_back,
             shared_memory_allreduce=shared_memory_allreduce,
             shared_memory_min_bytes=shared_memory_min_bytes, debug=debug_requested(debug),
-            replica_check_every=replica_check_every)
+            replica_check_every=replica_check_every, grouped_hooks=grouped_hooks)
         self.config.resolve_sync_timeout(self.process_group)  # None: the group's timeout
         # torch DDP's attribute: torch.compile's DDPOptimizer splits graphs at this many bytes.
         self.bucket_bytes_cap = self.config.bucket_bytes_cap

@@ -40,6 +40,7 @@ own bucket, and ``skip_all_reduce_unused_params`` leaving out buckets of unused 
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 import threading
 import weakref
@@ -55,6 +56,7 @@ from mini_ddp.engine import buckets as bucketing
 from mini_ddp.engine import writeback
 from mini_ddp.engine.buckets import BucketLayout, assign_grad, check_sparse_grad, shares_storage
 from mini_ddp.engine.config import DataParallelConfig
+from mini_ddp.engine.hook_groups import Group, HookGroups
 from mini_ddp.engine.hooks import CommHook, GradBucket, launch_hook, result_tensor
 from mini_ddp.engine.torch_api import (
     BACKWARD_COMM_END,
@@ -76,6 +78,8 @@ from mini_ddp.errors import (
 )
 from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmError
 from mini_ddp.transport.wait import wait_done
+
+logger = logging.getLogger("mini_ddp")
 
 OnStall = Callable[[Any, "bucketing.Bucket | None", "BaseException | None"], "str | None"]
 OnTimeout = Callable[[Any, "bucketing.Bucket | None"], "tuple[str, dict[str, Any]]"]
@@ -292,9 +296,30 @@ class Reducer(TorchReducerAPI):
         # parameter refers to its AccumulateGrad node only weakly, so a node nobody else holds
         # is freed between iterations, and a fresh one, without our hook, is made next time.
         self._accumulators = [_grad_accumulator(p) for p in self.params]
+        # One hook per gradient, until the order is known and the path is plain: then one per
+        # group of gradients (mini_ddp.engine.hook_groups; config.grouped_hooks).
+        self.hook_groups = HookGroups(len(self.params)) if config.grouped_hooks else None
+        self._hooks_removed = False
+        self._hook_handles: list[Any] = []
+        self._register_param_hooks()
+
+    def _register_param_hooks(self) -> None:
+        """One hook per parameter's ``AccumulateGrad`` node (replacing any hooks of ours)."""
+        for handle in self._hook_handles:
+            handle.remove()
         me = weakref.ref(self)  # the hooks hold the reducer weakly: no cycle through C++
         self._hook_handles = [acc.register_hook(functools.partial(_hook_trampoline, me, index))
                               for index, acc in enumerate(self._accumulators)]
+
+    def _register_group_hooks(self, groups: list[Group]) -> None:
+        """One hook per group, on the node of its last gradient in ready order."""
+        for handle in self._hook_handles:
+            handle.remove()
+        me = weakref.ref(self)
+        self._hook_handles = [
+            self._accumulators[group.last].register_hook(
+                functools.partial(_group_hook_trampoline, me, number))
+            for number, group in enumerate(groups)]
 
     @property
     def div_factor(self) -> int:
@@ -342,9 +367,17 @@ class Reducer(TorchReducerAPI):
 
     def ensure_prior_reduction_finished(self) -> None:
         """Raise, naming the parameters, if the last backward left gradients unreduced."""
-        if not self.step.require_finalize:
+        step, groups = self.step, self.hook_groups
+        if groups is not None and groups.groups is not None and step.expect_hooks:
+            # Grouped hooks: a gradient whose group's hook never fired was still computed.
+            # Count it as its own hook would have (torch DDP's reducer sees every one).
+            fresh = [i for i in groups.fresh_indices(self.params) if i not in step.ready]
+            if fresh:
+                step.ready.update(fresh)
+                step.require_finalize = True
+        if not step.require_finalize:
             return
-        missing = self.step.missing()
+        missing = step.missing()
         raise UnfinishedReductionError(
             self.rank, [self.names[i] for i in missing], missing,
             static_graph=self.config.static_graph,
@@ -384,6 +417,8 @@ class Reducer(TorchReducerAPI):
         self.layout.reset_bucket_counting()
         if self.unused_search.dynamic:
             self.unused_search.search(self._accumulators, outputs)
+        if self.hook_groups is not None and not self._hooks_removed:
+            self._choose_hooks()
 
     def remove_autograd_hooks(self) -> None:
         """Remove every gradient hook (DDP's ``_remove_autograd_hooks``): later backwards
@@ -391,6 +426,9 @@ class Reducer(TorchReducerAPI):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self._hooks_removed = True
+        if self.hook_groups is not None:
+            self.hook_groups.disarm(fell_back=False)
 
     def forward_running(self, synced: bool) -> None:
         """The model's forward starts (``synced``: it will synchronise) or has returned."""
@@ -447,6 +485,124 @@ class Reducer(TorchReducerAPI):
                 self.layout.record_ready(index)
             self.mark_variable_ready(index)
 
+
+    # ---- 1b. grouped hooks (mini_ddp.engine.hook_groups) ----------------------------------
+    def _groupable(self) -> bool:
+        """Is this backward's path the plain one that grouped hooks may serve?"""
+        config = self.config
+        return (self.scales_whole_buckets and not config.find_unused_parameters
+                and not config.static_graph and not config.debug and self.trace is None
+                and not self.step.records_order
+                and not any(bucket.sparse for bucket in self.layout.buckets))
+
+    def _choose_hooks(self) -> None:
+        """Before a synced backward: group the hooks once the order is known, back to one per
+        gradient when the path stops being plain (tracing switched on, a comm hook)."""
+        groups = self.hook_groups
+        if groups.groups is not None:
+            if self._groupable():
+                groups.snapshot(self.params)
+                return
+            groups.disarm(fell_back=False)
+            self._register_param_hooks()
+        elif groups.should_arm() and self._groupable():
+            self._register_group_hooks(groups.arm(self.layout.buckets))
+            groups.snapshot(self.params)
+            logger.debug("mini_ddp rank %d: gradient order stable, %d hooks for %d gradients",
+                         self.rank, len(groups.groups), len(self.params))
+
+    def group_ready(self, number: int) -> None:
+        """The hook of group ``number``: the last gradient of the group (in the order seen) has
+        arrived. Copy the group into its bucket, count the bucket down by the group."""
+        plan = self.hook_groups.groups
+        if plan is None:
+            return  # disarmed while this backward ran (the hooks go with it)
+        group = plan[number]
+        step = self.step
+        if not step.plain:
+            # The backward's first hook: settle it exactly as a per-gradient hook would
+            # (counting, refusing an unarmed backward, the zero-copy reclaim), with the
+            # group's own last gradient; then the rest of the group below.
+            self.autograd_hook(group.last)
+            if not step.plain or self.hook_groups.groups is None:
+                return  # no_sync(), or a backward nobody armed: nothing to reduce
+            first = True
+        else:
+            first = False
+        with self._lock:
+            self._group_ready_locked(group, skip_last=first)
+
+    def _group_ready_locked(self, group: Group, skip_last: bool) -> None:
+        step, bucket = self.step, group.bucket
+        params, indices, positions = group.params, group.indices, group.positions
+        if skip_last:  # marked by autograd_hook
+            params, indices, positions = params[:-1], indices[:-1], positions[:-1]
+        if self.trace is not None:
+            for index in indices:
+                self.trace.record("hook", param=index)
+        if not indices:
+            return
+        grads = list(map(_GRAD, params))
+        if not self.hook_groups.fresh(indices, grads):
+            self.fall_back_to_param_hooks(indices, grads)
+            return
+        if not step.ready.isdisjoint(indices):  # cannot happen unless a group repeats
+            index = next(i for i in indices if i in step.ready)
+            raise MarkedTwiceError(self.rank, self.names[index], index)
+        step.ready.update(indices)
+        if skip_last:  # the logging data's order: the group's, its last (noted already) last
+            step.ready_order[-1:-1] = indices
+        else:
+            step.ready_order.extend(indices)
+        step.require_finalize = True
+        views = list(map(bucket.views.__getitem__, positions))
+        copied_params, copied_indices = params, indices
+        if any(map(operator.is_, grads, views)):  # zero-copy write-back: already in place
+            keep = [k for k, (grad, view) in enumerate(zip(grads, views, strict=True))
+                    if grad is not view]
+            views, grads = [views[k] for k in keep], [grads[k] for k in keep]
+            copied_params, copied_indices = [params[k] for k in keep], [indices[k] for k in keep]
+        if grads:
+            sources = grads if not any(map(_REQUIRES_GRAD, grads)) \
+                else [grad.detach() for grad in grads]  # create_graph=True: not into the graph
+            torch._foreach_copy_(views, sources)
+            self.hook_groups.copied(copied_params, grads, copied_indices)
+        bucket.pending -= len(indices)
+        if bucket.pending == 0:
+            self.bucket_full(bucket)
+
+    def fall_back_to_param_hooks(self, indices: list[int], grads: list[Any]) -> None:
+        """A group's hook found a gradient of its group not yet (or never) computed in this
+        backward: the order changed. One hook per gradient again, from this moment: every
+        gradient already accumulated is marked ready now, each other one when its hook fires
+        (or, if its node ran with no gradient before the hook was back, at the end of the
+        backward: :meth:`_settle_unhooked`). Called with the lock held."""
+        missing = next(i for i, g in zip(indices, grads, strict=True)
+                       if not self.hook_groups.fresh([i], [g]))
+        logger.info("mini_ddp rank %d: parameter '%s' had no gradient yet when its group's hook "
+                    "fired (the gradient order changed): one hook per gradient again",
+                    self.rank, self.names[missing])
+        fresh = self.hook_groups.fresh_indices(self.params)
+        self.hook_groups.disarm(fell_back=True)
+        self._register_param_hooks()
+        for index in fresh:
+            if index not in self.step.ready:
+                self.mark_variable_ready(index)
+        Variable._execution_engine.queue_callback(self._settle_unhooked)
+
+    def _settle_unhooked(self) -> None:
+        """End of a backward that fell back: a parameter whose ``AccumulateGrad`` node ran
+        before its hook was back (with no gradient: an output left out of the loss) is
+        marked ready now, as its hook would have marked it (zeros, or the ``.grad`` it keeps).
+        A parameter whose node was not in this backward's graph stays unready: the next
+        forward names it, as after a per-gradient backward."""
+        with self._lock:
+            if not self.step.expect_hooks:
+                return  # finished already
+            for index in self.step.missing():
+                if torch._C._will_engine_execute_node(self._accumulators[index]):
+                    self.mark_variable_ready(index)
+
     # ---- 2. into the bucket --------------------------------------------------------------
     def mark_variable_ready(self, index: int) -> None:
         """Copy parameter ``index``'s gradient into its bucket; launch what became full."""
@@ -467,19 +623,25 @@ class Reducer(TorchReducerAPI):
             self.copy_grad_in(bucket, position)
         bucket.pending -= 1
         if bucket.pending == 0:
-            if self.scales_whole_buckets:
-                self.scale_bucket(bucket)
-            elif self.config.batched_grad_copy:
-                self.flush_batched(bucket)
-            if self.trace is not None:
-                self.trace.record("bucket_ready", bucket=bucket_index)
-            self.mark_bucket_ready(bucket_index)
-            # Only a launch moves next_bucket, so only a full bucket can make it the last.
-            if step.next_bucket == len(buckets):
-                if self.unused_search.dynamic:
-                    self.unused_search.launch_map_reduce(lambda: self.describe(None),
-                                                         self.flight, step.num_iterations)
-                Variable._execution_engine.queue_callback(self.finalize_backward)
+            self.bucket_full(bucket)
+
+    def bucket_full(self, bucket: bucketing.Bucket) -> None:
+        """Every gradient of ``bucket`` is in: scale it, launch what can be launched, and
+        queue the end of backward once the last bucket has gone."""
+        step = self.step
+        if self.scales_whole_buckets:
+            self.scale_bucket(bucket)
+        elif self.config.batched_grad_copy:
+            self.flush_batched(bucket)
+        if self.trace is not None:
+            self.trace.record("bucket_ready", bucket=bucket.index)
+        self.mark_bucket_ready(bucket.index)
+        # Only a launch moves next_bucket, so only a full bucket can make it the last.
+        if step.next_bucket == len(self.layout.buckets):
+            if self.unused_search.dynamic:
+                self.unused_search.launch_map_reduce(lambda: self.describe(None),
+                                                     self.flight, step.num_iterations)
+            Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def copy_grad_in(self, bucket: bucketing.Bucket, position: int) -> None:
         """Put ``bucket.params[position]``'s gradient into its view of the bucket.
@@ -717,6 +879,14 @@ class Reducer(TorchReducerAPI):
                 self.trace.record("finalize_start")  # backward's compute has ended
             if self.runtime_log is not None:
                 self.runtime_log.mark(BACKWARD_COMPUTE_END)
+            groups = self.hook_groups
+            if groups is not None and groups.groups is not None:
+                changed = groups.changed_since_copy()  # a gradient that arrived twice
+                groups.reset_copies()
+                if changed is not None:
+                    raise MarkedTwiceError(self.rank, self.names[changed], changed)
+            elif groups is not None and self.step.plain and not self._hooks_removed:
+                groups.observe(self.step.ready_order, self.params)
             self.step.finish()
             if config.static_graph and self.step.num_backward_calls > 1 \
                     and self.layout.should_rebuild():
@@ -752,3 +922,9 @@ def _hook_trampoline(reducer_ref: weakref.ref, index: int, *_grads: Any) -> None
     reducer = reducer_ref()
     if reducer is not None:
         reducer.autograd_hook(index)
+
+
+def _group_hook_trampoline(reducer_ref: weakref.ref, number: int, *_grads: Any) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer.group_ready(number)
