@@ -331,21 +331,26 @@ class _ArmedBy:
         self._entries: dict[int, list[Any]] = {}  # id(param) -> [weakref(param), weakref(layout)]
         self._last: weakref.ref | None = None  # the layout that claimed last
 
-    def claim(self, params: Sequence[torch.Tensor], layout: weakref.ref) -> None:
-        """``layout`` (a weak reference to it) armed last for each of ``params``.
+    def claim(self, params: Sequence[torch.Tensor], layout: weakref.ref) -> bool:
+        """``layout`` (a weak reference to it) armed last for each of ``params``; True if
+        another live layout had armed for one of them (two wrappers of the same parameters).
 
         Every step claims its parameters again; when the same layout claimed last (one
         wrapper per model, the common case) nothing changed since: no walk over them.
         """
         if self._last is layout:
-            return
+            return False
         self._last = layout
+        shared = False
         for p in params:
             entry = self._entries.get(id(p))
             if entry is None or entry[0]() is not p:
                 entry = self._entries[id(p)] = [
                     weakref.ref(p, functools.partial(self._forget, id(p))), None]
+            elif entry[1] is not None and entry[1] is not layout and entry[1]() is not None:
+                shared = True
             entry[1] = layout
+        return shared
 
     def holder(self, param: torch.Tensor) -> Any:
         entry = self._entries.get(id(param))
@@ -375,6 +380,9 @@ class BucketLayout:
         self.rebuild_order: list[int] = []  # gradient-ready order seen by the recording backward
         self.grad_dtype: torch.dtype | None = None  # set by use_grad_dtype
         self._me = weakref.ref(self)
+        # Another live wrapper armed for some of these parameters since this one was built: both
+        # reducers' hooks see their gradients (and both write them back). Set by the claims.
+        self.shared_with_another = False
         # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
         # (then DDP applies the size caps over the definition order). The list is reversed so
         # the last-defined parameters, whose gradients come first, are in bucket 0.
@@ -452,7 +460,8 @@ class BucketLayout:
 
     def reset_bucket_counting(self) -> None:
         """Before a synced backward: every bucket waits for all its gradients again."""
-        _ARMED_BY.claim(self.params, self._me)
+        if _ARMED_BY.claim(self.params, self._me):
+            self.shared_with_another = True
         for bucket in self.buckets:
             bucket.pending = len(bucket.param_indices)
             bucket.future = None

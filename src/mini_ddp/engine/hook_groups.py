@@ -85,9 +85,13 @@ class HookGroups:
         self.num_params = num_params
         self.groups: list[Group] | None = None  # the armed plan, or None: one hook per gradient
         self.fallbacks = 0
+        self.views_seen = False  # a .grad was a view at arming time: never grouped again
         self._last_order: list[int] | None = None
         self._stable = False
-        self._before: list[torch.Tensor | None] = []
+        # What each .grad was when the backward was armed: its id (None: no .grad) and version.
+        # Ids, not the tensors: a reference held here would count as "held elsewhere" for the
+        # zero-copy write-back. A reused id can only make a new gradient look old: a fallback.
+        self._before: list[int | None] = []
         self._before_versions: list[int] | None = None
         # What each group copied: (params, their .grad then, its versions, param indices).
         self._copied: list[tuple[list[Any], list[torch.Tensor], list[int], list[int]]] = []
@@ -102,8 +106,9 @@ class HookGroups:
         self._last_order = list(order) if complete else None
 
     def should_arm(self) -> bool:
-        """Two consecutive backwards agreed on the order, and the order has not kept changing."""
-        return self._stable and self.fallbacks < MAX_FALLBACKS
+        """Two consecutive backwards agreed on the order, the order has not kept changing, and
+        no ``.grad`` was ever a view (see :meth:`snapshot`)."""
+        return self._stable and self.fallbacks < MAX_FALLBACKS and not self.views_seen
 
     def arm(self, buckets: Sequence[Any]) -> list[Group]:
         """Plan the groups from the order seen; the reducer hooks each group's ``last``."""
@@ -121,14 +126,23 @@ class HookGroups:
             self.fallbacks += 1
 
     # ---- checking ------------------------------------------------------------------------
-    def snapshot(self, params: Sequence[torch.Tensor]) -> None:
+    def snapshot(self, params: Sequence[torch.Tensor]) -> bool:
         """Before an armed backward: what every ``.grad`` is now (None after ``zero_grad()``),
-        so a group's hook can tell this backward's gradients from older ones."""
-        self._before = list(map(_GRAD, params))
-        self._before_versions = None if not any(
-            map(operator.is_not, self._before, repeat(None))) else [
-                -1 if grad is None else grad._version for grad in self._before]
+        so a group's hook can tell this backward's gradients from older ones. False if that
+        cannot be told: a ``.grad`` is a view (the zero-copy write-back's bucket views, kept by
+        ``zero_grad(set_to_none=False)``), whose version counter its siblings share — then
+        the hooks must be one per gradient, now and later."""
+        grads = list(map(_GRAD, params))
+        if not any(map(operator.is_not, grads, repeat(None))):
+            self._before, self._before_versions = [None] * len(grads), None
+        elif any(grad is not None and grad._base is not None for grad in grads):
+            self.views_seen = True
+            return False
+        else:
+            self._before = [None if grad is None else id(grad) for grad in grads]
+            self._before_versions = [-1 if grad is None else grad._version for grad in grads]
         self._copied.clear()
+        return True
 
     def fresh(self, indices: list[int], grads: list[torch.Tensor | None]) -> bool:
         """Has every gradient ``grads`` (of parameters ``indices``) been accumulated in this
@@ -142,7 +156,7 @@ class HookGroups:
         if self._before_versions is None:  # every .grad was None when the backward was armed
             return True
         before, versions = self._before, self._before_versions
-        return all(grad is not before[i] or grad._version != versions[i]
+        return all(id(grad) != before[i] or grad._version != versions[i]
                    for i, grad in zip(indices, grads, strict=True))
 
     def fresh_indices(self, params: Sequence[torch.Tensor]) -> list[int]:
@@ -150,7 +164,7 @@ class HookGroups:
         before, versions = self._before, self._before_versions
         fresh = []
         for i, grad in enumerate(map(_GRAD, params)):
-            if grad is not None and (versions is None or grad is not before[i]
+            if grad is not None and (versions is None or id(grad) != before[i]
                                      or grad._version != versions[i]):
                 fresh.append(i)
         return fresh

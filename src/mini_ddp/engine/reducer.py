@@ -493,6 +493,8 @@ class Reducer(TorchReducerAPI):
         return (self.scales_whole_buckets and not config.find_unused_parameters
                 and not config.static_graph and not config.debug and self.trace is None
                 and not self.step.records_order
+                # Another wrapper of the same parameters writes their .grad back too.
+                and not self.layout.shared_with_another
                 and not any(bucket.sparse for bucket in self.layout.buckets))
 
     def _choose_hooks(self) -> None:
@@ -500,14 +502,12 @@ class Reducer(TorchReducerAPI):
         gradient when the path stops being plain (tracing switched on, a comm hook)."""
         groups = self.hook_groups
         if groups.groups is not None:
-            if self._groupable():
-                groups.snapshot(self.params)
+            if self._groupable() and groups.snapshot(self.params):
                 return
             groups.disarm(fell_back=False)
             self._register_param_hooks()
-        elif groups.should_arm() and self._groupable():
+        elif groups.should_arm() and self._groupable() and groups.snapshot(self.params):
             self._register_group_hooks(groups.arm(self.layout.buckets))
-            groups.snapshot(self.params)
             logger.debug("mini_ddp rank %d: gradient order stable, %d hooks for %d gradients",
                          self.rank, len(groups.groups), len(self.params))
 
@@ -566,6 +566,12 @@ class Reducer(TorchReducerAPI):
             sources = grads if not any(map(_REQUIRES_GRAD, grads)) \
                 else [grad.detach() for grad in grads]  # create_graph=True: not into the graph
             torch._foreach_copy_(views, sources)
+            if self.zero_copy:  # a .grad into the bucket moves with it (its multiply, its sum)
+                keep = [k for k, grad in enumerate(grads)
+                        if not shares_storage(grad, bucket.buffer)]
+                grads = [grads[k] for k in keep]
+                copied_params = [copied_params[k] for k in keep]
+                copied_indices = [copied_indices[k] for k in keep]
             self.hook_groups.copied(copied_params, grads, copied_indices)
         bucket.pending -= len(indices)
         if bucket.pending == 0:
