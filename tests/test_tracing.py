@@ -145,7 +145,7 @@ def test_the_trace_records_transport_and_write_back(traced):
     setup = obj["otherData"]["setup"]
     assert setup["write_back"] == "copy" and setup["backend"] == "Gloo"
     # shared memory is set up for two ranks on one host, so the setup alone is not DDP's path;
-    # no bucket reached its 1 MiB minimum, so what ran was (the title says so)
+    # no bucket reached its 4 MiB minimum, so what ran was (the title says so)
     assert setup["shared_memory"] and not setup["torch_ddp_path"]
     comm = [e for e in obj["traceEvents"] if e["name"].startswith("all-reduce")]
     assert comm and all(e["args"]["transport"] == "Gloo" for e in comm)
@@ -172,11 +172,11 @@ def test_setup_line_says_whose_path_ran():
 
 def _shm_trace(ctx, plain: bool):
     torch.manual_seed(0)
-    model = DataParallelModel(nn.Linear(600, 600), shared_memory_allreduce=not plain,
-                              zero_copy_write_back=not plain)  # 1.4 MiB: one shm-sized bucket
+    model = DataParallelModel(nn.Linear(1100, 1100), shared_memory_allreduce=not plain,
+                              zero_copy_write_back=not plain)  # 4.6 MiB: one shm-sized bucket
     with trace(model) as rec:
         for _ in range(2):
-            model(torch.randn(2, 600)).sum().backward()
+            model(torch.randn(2, 1100)).sum().backward()
     return rec.snapshot()
 
 

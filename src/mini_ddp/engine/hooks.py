@@ -43,6 +43,7 @@ from mini_ddp.transport.wait import wait_done
 logger = logging.getLogger("mini_ddp")
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+_SUM = dist.AllreduceOptions()  # reduceOp SUM, the backend's default timeout
 
 
 class GradBucket:
@@ -119,8 +120,14 @@ def allreduce_sum_hook(process_group: dist.ProcessGroup | None, bucket: GradBuck
     why torch's ``allreduce_hook`` (``div_`` then sum) is not bitwise equal to it at world
     size 3.
     """
-    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
-    return work.get_future()
+    # The group's own allreduce, as torch's C++ reducer calls it: what dist.all_reduce does
+    # for one dense tensor of a group this rank is in, without its Python checks and logging
+    # wrapper (about 20 µs per launch, paid per bucket on the hot path).
+    tensor = bucket.buffer()
+    if tensor.is_complex():  # dist.all_reduce sums it as its real view
+        return dist.all_reduce(tensor, group=process_group, async_op=True).get_future()
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group.allreduce([tensor], _SUM).get_future()
 
 
 def launch_hook(hook: CommHook | None, state: object, group: dist.ProcessGroup | None,
