@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,20 @@ def _run(out_dir: Path, *extra: str, timeout_s: float) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
+def _written(path: Path, timeout_s: float = 60.0) -> Path:
+    """``path`` once it exists: Lightning's launcher process (rank 0) can return before the
+    rank it started has written its results."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return path
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("lightning")
     _run(out_dir, timeout_s=240)
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads(_written(out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     _run(out_dir, "spawn", timeout_s=180)
     ranks[0].update(json.loads((out_dir / "rank0.json").read_text()))
     return ranks

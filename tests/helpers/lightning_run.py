@@ -11,6 +11,7 @@ and what ``trainer.strategy.model`` is after it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import warnings
@@ -148,7 +149,11 @@ def main() -> None:
     else:
         _popen_cases(out, out_dir)
         rank = torch.distributed.get_rank()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
+    # Written whole, then renamed: the parent process (rank 0) may exit, and the test read the
+    # files, while rank 1 is still writing its own.
+    partial = out_dir / f"rank{rank}.json.partial"
+    partial.write_text(json.dumps(out, indent=1))
+    os.replace(partial, out_dir / f"rank{rank}.json")
 
 
 if __name__ == "__main__":
