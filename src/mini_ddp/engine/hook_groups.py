@@ -53,7 +53,7 @@ class Group:
     positions: list[int]  # positions in the bucket, in ready order
     indices: list[int]  # the parameters' indices, same order
     params: list[torch.Tensor]
-    last: int  # the index of the parameter whose hook fires for the group
+    last: int  # the index of the parameter whose hook fires for the group (indices[-1])
 
 
 def plan_groups(buckets: Sequence[Any], order: Sequence[int],
@@ -151,23 +151,20 @@ class HookGroups:
         A new ``.grad`` tensor, or the same one with a newer version (autograd accumulates into
         an existing ``.grad`` in place). None: not yet, or undefined.
         """
-        if not all(map(operator.is_not, grads, repeat(None))):
-            return False
         if self._before_versions is None:  # every .grad was None when the backward was armed
-            return True
-        before, versions = self._before, self._before_versions
-        return all(id(grad) != before[i] or grad._version != versions[i]
-                   for i, grad in zip(indices, grads, strict=True))
+            return all(map(operator.is_not, grads, repeat(None)))
+        return all(map(self._is_fresh, indices, grads))
 
     def fresh_indices(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Every parameter whose gradient was accumulated since :meth:`snapshot`."""
-        before, versions = self._before, self._before_versions
-        fresh = []
-        for i, grad in enumerate(map(_GRAD, params)):
-            if grad is not None and (versions is None or id(grad) != before[i]
-                                     or grad._version != versions[i]):
-                fresh.append(i)
-        return fresh
+        return [i for i, grad in enumerate(map(_GRAD, params)) if self._is_fresh(i, grad)]
+
+    def _is_fresh(self, index: int, grad: torch.Tensor | None) -> bool:
+        if grad is None:
+            return False
+        versions = self._before_versions
+        return (versions is None or id(grad) != self._before[index]
+                or grad._version != versions[index])
 
     def copied(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                indices: list[int]) -> None:
@@ -188,5 +185,5 @@ class HookGroups:
         return None
 
     def reset_copies(self) -> None:
-        """Forget what the groups copied (the backward is over)."""
+        """Forget what the groups copied (the backward is over; the record holds gradients)."""
         self._copied.clear()

@@ -304,22 +304,23 @@ class Reducer(TorchReducerAPI):
         self._register_param_hooks()
 
     def _register_param_hooks(self) -> None:
-        """One hook per parameter's ``AccumulateGrad`` node (replacing any hooks of ours)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        me = weakref.ref(self)  # the hooks hold the reducer weakly: no cycle through C++
-        self._hook_handles = [acc.register_hook(functools.partial(_hook_trampoline, me, index))
-                              for index, acc in enumerate(self._accumulators)]
+        """One hook per parameter's ``AccumulateGrad`` node."""
+        self._set_hooks(_hook_trampoline, [(index, index) for index in range(len(self.params))])
 
     def _register_group_hooks(self, groups: list[Group]) -> None:
         """One hook per group, on the node of its last gradient in ready order."""
+        self._set_hooks(_group_hook_trampoline,
+                        [(group.last, number) for number, group in enumerate(groups)])
+
+    def _set_hooks(self, trampoline: Callable[..., None], targets: list[tuple[int, int]]) -> None:
+        """Replace our hooks: for each ``(param index, argument)``, one on that parameter's
+        node calling ``trampoline(reducer_ref, argument, ...)``."""
         for handle in self._hook_handles:
             handle.remove()
-        me = weakref.ref(self)
+        me = weakref.ref(self)  # the hooks hold the reducer weakly: no cycle through C++
         self._hook_handles = [
-            self._accumulators[group.last].register_hook(
-                functools.partial(_group_hook_trampoline, me, number))
-            for number, group in enumerate(groups)]
+            self._accumulators[index].register_hook(functools.partial(trampoline, me, argument))
+            for index, argument in targets]
 
     @property
     def div_factor(self) -> int:
@@ -555,24 +556,13 @@ class Reducer(TorchReducerAPI):
         else:
             step.ready_order.extend(indices)
         step.require_finalize = True
-        views = list(map(bucket.views.__getitem__, positions))
-        copied_params, copied_indices = params, indices
-        if any(map(operator.is_, grads, views)):  # zero-copy write-back: already in place
-            keep = [k for k, (grad, view) in enumerate(zip(grads, views, strict=True))
-                    if grad is not view]
-            views, grads = [views[k] for k in keep], [grads[k] for k in keep]
-            copied_params, copied_indices = [params[k] for k in keep], [indices[k] for k in keep]
-        if grads:
-            sources = grads if not any(map(_REQUIRES_GRAD, grads)) \
-                else [grad.detach() for grad in grads]  # create_graph=True: not into the graph
-            torch._foreach_copy_(views, sources)
-            if self.zero_copy:  # a .grad into the bucket moves with it (its multiply, its sum)
-                keep = [k for k, grad in enumerate(grads)
-                        if not shares_storage(grad, bucket.buffer)]
-                grads = [grads[k] for k in keep]
-                copied_params = [copied_params[k] for k in keep]
-                copied_indices = [copied_indices[k] for k in keep]
-            self.hook_groups.copied(copied_params, grads, copied_indices)
+        # No .grad here is a bucket view: a view's version counter is its siblings' too, so
+        # hooks are never grouped while one exists (HookGroups.snapshot), and autograd makes
+        # new tensors. Every gradient is copied.
+        sources = grads if not any(map(_REQUIRES_GRAD, grads)) \
+            else [grad.detach() for grad in grads]  # create_graph=True: not into the graph
+        torch._foreach_copy_(list(map(bucket.views.__getitem__, positions)), sources)
+        self.hook_groups.copied(params, grads, indices)
         bucket.pending -= len(indices)
         if bucket.pending == 0:
             self.bucket_full(bucket)
