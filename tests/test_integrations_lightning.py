@@ -28,29 +28,35 @@ HELPER = Path(__file__).resolve().parent / "helpers" / "lightning_run.py"
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def _run(out_dir: Path, *extra: str, timeout_s: float) -> None:
+def _run(out_dir: Path, *extra: str, timeout_s: float) -> str:
+    """Run the helper; return the tail of its output (both ranks share the pipes)."""
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("MASTER_PORT", None)  # Lightning picks a free one
     proc = subprocess.run([sys.executable, str(HELPER), str(out_dir), *extra], env=env,
                           capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    output = proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, output
+    return output
 
 
-def _written(path: Path, timeout_s: float = 60.0) -> Path:
-    """``path`` once it exists: Lightning's launcher process (rank 0) can return before the
-    rank it started has written its results."""
+def _written(path: Path, output: str, timeout_s: float = 30.0) -> Path:
+    """``path`` once it exists: Lightning's launcher process (rank 0) can exit before the
+    rank it started has written its results; a rank that failed after the last collective
+    (rank 0 no longer there to notice) shows its traceback in ``output``."""
     deadline = time.monotonic() + timeout_s
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert path.exists(), f"{path.name} was never written:\n{output}"
     return path
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("lightning")
-    _run(out_dir, timeout_s=240)
-    ranks = [json.loads(_written(out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    output = _run(out_dir, timeout_s=240)
+    ranks = [json.loads(_written(out_dir / f"rank{r}.json", output).read_text())
+             for r in range(2)]
     _run(out_dir, "spawn", timeout_s=180)
     ranks[0].update(json.loads((out_dir / "rank0.json").read_text()))
     return ranks

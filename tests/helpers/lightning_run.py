@@ -119,6 +119,9 @@ def _popen_cases(out: dict[str, Any], out_dir: Path) -> None:
             elif trainer.global_rank == 0:  # torch DDP's one epoch: the ddp_spawn reference
                 state = torch.load(path, weights_only=False)["state_dict"]
                 torch.save(state, out_dir / TORCH_ONE_EPOCH)
+            # The checkpoint lives in rank 0's temporary directory: no rank leaves the block
+            # (rank 0 deletes it there) before every rank has read it.
+            trainer.strategy.barrier()
         out["checkpoint + resume"] = {"same": _same(*finals), "wrapped_by": finals[1].wrapped_by,
                                       "changed": not _same(finals[1], TinyRegressor()),
                                       "torch wrapped_by": finals[0].wrapped_by,
