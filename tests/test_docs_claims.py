@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -153,13 +154,26 @@ def _uneven(ctx, engine: str, then_all_reduce: bool) -> str:
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_uneven_inputs_without_join_fail_fast(engine):
     """Without join(): if the short rank exits, the long rank's next all-reduce fails at once
-    (its peer is gone); if the short rank goes on to a metric all-reduce, that pairs with the
-    long rank's gradient bucket and Gloo aborts a rank on the size mismatch. Neither waits for
-    the process group's timeout (60 s here)."""
+    (its peer is gone), not at the process group's timeout (60 s here)."""
     short, long = run_ranks(_uneven, 2, args=(engine, False), timeout_s=90,
                             collective_timeout_s=60)
     assert short == "finished" and "Timed out" not in long, (short, long)
     assert "closed by peer" in long or "reset by peer" in long, long
+
+
+def test_uneven_inputs_then_a_metric_all_reduce():
+    """Without join(), the short rank goes on to a metric all-reduce. Under torch DDP it pairs
+    with the long rank's gradient bucket and Gloo aborts a rank on the size mismatch, at once.
+    Under mini_ddp at two ranks on one host the bucket goes through shared memory, so the two
+    never pair: the long rank fails at its deadline (``sync_timeout_s``, here the process
+    group's 5 s) naming the rank that has not reached the bucket; the short one at Gloo's."""
+    started = time.monotonic()
     with pytest.raises(RanksFailed) as info:
-        run_ranks(_uneven, 2, args=(engine, True), timeout_s=90, collective_timeout_s=60)
+        run_ranks(_uneven, 2, args=("torch DDP", True), timeout_s=90, collective_timeout_s=60)
     assert "Timed out" not in str(info.value) and "died" in str(info.value), str(info.value)
+    assert time.monotonic() - started < 45
+    short, long = run_ranks(_uneven, 2, args=("DataParallelModel", True), timeout_s=90,
+                            collective_timeout_s=5)
+    assert "Timed out" in short, short
+    assert "waited more than 5.0 s for the all-reduce of bucket 0" in long, long
+    assert "rank 0: has not reached bucket 0 of step 4" in long, long

@@ -46,6 +46,7 @@ from mini_ddp.tools import bench_models, parity
 from mini_ddp.tools.parity_options import ParityOptions
 from mini_ddp.training import data, launch, models
 from mini_ddp.transport import local_comm
+from mini_ddp.transport import shm as shm_module
 from mini_ddp.transport.collectives import naive
 
 
@@ -470,8 +471,15 @@ def _shm(ctx, what: str) -> str:
         err = _raised(lambda: shm.all_reduce(torch.zeros(4)))
     elif what == "worker thread":  # a callback of the transport's future runs on its thread
         buffer = shm.allocate(4, torch.float32)
-        fut = shm.all_reduce(buffer).then(lambda _: shm.allocate(4, torch.float32))
-        err = _raised(fut.wait)
+        real_sum = shm_module.sum_range
+
+        def slow_sum(*args: object) -> None:  # the callback is attached before the sum is done
+            time.sleep(0.3)
+            real_sum(*args)
+
+        with mock.patch("mini_ddp.transport.shm.sum_range", side_effect=slow_sum):
+            fut = shm.all_reduce(buffer).then(lambda _: shm.allocate(4, torch.float32))
+            err = _raised(fut.wait)
     elif what == "peer failed":
         buffer = shm.allocate(4, torch.float32)
         if ctx.rank == 1:  # this rank's half of the sum fails; rank 0 reports its peer

@@ -42,8 +42,12 @@ OBSERVERS = ("FlightLog.", "RuntimeLog.")
 # Measured at the grouped steady state: 34 functions in 7 files (the backward's first hook
 # takes the per-gradient path, the others the grouped one, and one is the whole-bucket
 # multiply); one more (transport/wait.py's deadline arithmetic) when a bucket's all-reduce has
-# not finished by the time backward ends.
+# not finished by the time backward ends. At two ranks on one host the bucket's sum goes
+# through the shared-memory transport (its worker thread: submit, ready sync, half sum, done
+# sync), counted apart: measured 19 functions in 6 files of transport/.
 MAX_FILES, MAX_FUNCTIONS = 7, 35
+SHM_ROUTE = ("src/mini_ddp/transport/shm", "src/mini_ddp/transport/serial_worker.py")
+MAX_SHM_FILES, MAX_SHM_FUNCTIONS = 6, 24
 REFERENCE = re.compile(r"`(src/mini_ddp/[\w/]+\.py):([\w.]+)`")
 STEPS = 5  # the 2nd forward rebuilds the buckets; the 4th groups the hooks; the 5th is steady
 
@@ -149,26 +153,40 @@ def _summary(functions: set[tuple[str, str]]) -> str:
 
 
 def test_one_gradients_default_path_is_short_and_the_page_names_it():
-    results = run_ranks(_trace_a_step, 2, timeout_s=120)
-    for name, (a, b) in enumerate(zip(results[0]["grads"], results[1]["grads"], strict=True)):
-        assert torch.equal(a, b), f"parameter {name}: the ranks' gradients differ"
-    traced = results[0]
-    steady = traced["windows"][STEPS]
-    files = {path for path, _ in steady}
-    print(f"\none gradient's default path (step {STEPS}, rank 0): {len(steady)} distinct "
-          f"functions in {len(files)} files: {_summary(steady)}")
-    print(f"recorders on the way ({len(traced['observed'])} functions, counted apart): "
-          f"{_summary(traced['observed'])}")
-    assert len(files) <= MAX_FILES, sorted(files)
-    assert len(steady) <= MAX_FUNCTIONS, _summary(steady)
+    # Three ranks: the all-reduce through Gloo (every world size but two on one host); two
+    # ranks: the same engine path, with the sum through the shared-memory transport.
+    by_world = {n: run_ranks(_trace_a_step, n, timeout_s=120) for n in (3, 2)}
+    for n, results in by_world.items():
+        for name, grads in enumerate(zip(*(r["grads"] for r in results), strict=True)):
+            assert all(torch.equal(grads[0], g) for g in grads), \
+                f"world size {n}, parameter {name}: the ranks' gradients differ"
+    for n, results in by_world.items():
+        traced = results[0]
+        window = traced["windows"][STEPS]
+        shm_route = {where for where in window if where[0].startswith(SHM_ROUTE)}
+        steady = window - shm_route
+        files = {path for path, _ in steady}
+        print(f"\nworld size {n}: one gradient's default path (step {STEPS}, rank 0): "
+              f"{len(steady)} distinct functions in {len(files)} files: {_summary(steady)}")
+        print(f"the shared-memory sum ({len(shm_route)} functions, counted apart): "
+              f"{_summary(shm_route)}")
+        print(f"recorders on the way ({len(traced['observed'])} functions, counted apart): "
+              f"{_summary(traced['observed'])}")
+        assert len(files) <= MAX_FILES, sorted(files)
+        assert len(steady) <= MAX_FUNCTIONS, _summary(steady)
+        shm_files = {path for path, _ in shm_route}
+        assert ("src/mini_ddp/transport/shm.py" in shm_files) == (n == 2), shm_files
+        assert len(shm_files) <= MAX_SHM_FILES and len(shm_route) <= MAX_SHM_FUNCTIONS, \
+            _summary(shm_route)
 
     table = _table_references()
     assert len(table) >= 15, table  # the table exists and the pattern still matches its rows
-    never_run = sorted(f"{p}:{n}" for p, n in table - traced["everything"])
+    everything = set().union(*(r[0]["everything"] for r in by_world.values()))
+    never_run = sorted(f"{p}:{n}" for p, n in table - everything)
     assert not never_run, (
         f"docs/architecture.md's path table names functions a default step never runs: "
         f"{never_run}")
-    every_window = set().union(*traced["windows"].values())
+    every_window = set().union(*(w for r in by_world.values() for w in r[0]["windows"].values()))
     unnamed = sorted(f"{p}:{n}" for p, n in every_window - table if _significant((p, n)))
     assert not unnamed, (
         f"a default step runs engine functions docs/architecture.md's path table leaves out: "

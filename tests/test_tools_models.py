@@ -56,7 +56,7 @@ def test_trace_usage_error_for_an_unknown_model(capsys):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags, transport, write_back", [
-    ([], "Gloo", "zero-copy"), (["--as-torch-ddp"], "Gloo", "copy")])
+    ([], "shared memory", "zero-copy"), (["--as-torch-ddp"], "Gloo", "copy")])
 def test_trace_says_which_transport_and_write_back_ran(tmp_path, capsys, flags, transport,
                                                        write_back):
     code = trace_demo.main(["--model", "tiny", "--world-size", "2", "--steps", "2",
@@ -64,7 +64,7 @@ def test_trace_says_which_transport_and_write_back_ran(tmp_path, capsys, flags, 
     out = capsys.readouterr().out
     assert code == 0, out
     setup = json.loads((tmp_path / "trace.json").read_text())["otherData"]["setup"]
-    assert setup["write_back"] == write_back and setup["backend"] == transport
+    assert setup["write_back"] == write_back and setup["backend"] == "Gloo"
     whose = "torch DDP's plain path" if flags else "mini_ddp's fast paths, not torch DDP's"
     assert f"transport: {transport} (" in out and whose in out
 

@@ -128,9 +128,9 @@ def test_overlap_figure_and_png(traced, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     first_line, second_line = title.split("\n")
     assert first_line.endswith("steps 2-3")
-    # two ranks, buckets below 1 MiB: Gloo, results copied into .grad — torch DDP's own path
-    assert second_line.startswith("transport: Gloo (") and "copy into .grad" in second_line
-    assert second_line.endswith("torch DDP's plain path")
+    # two ranks on one host: shared memory, results copied into .grad — not torch DDP's path
+    assert second_line.startswith("transport: shared memory (") and "copy into .grad" in second_line
+    assert second_line.endswith("mini_ddp's fast paths, not torch DDP's")
     # one entry per colour drawn; the write-back is zero-copy here, so nothing says "copy"
     assert legend == ["forward", "backward (compute)",
                       "finalize: wait for the all-reduces, then fill .grad",
@@ -144,12 +144,11 @@ def test_the_trace_records_transport_and_write_back(traced):
     obj = chrome_trace(traces)
     setup = obj["otherData"]["setup"]
     assert setup["write_back"] == "copy" and setup["backend"] == "Gloo"
-    # shared memory is set up for two ranks on one host, so the setup alone is not DDP's path;
-    # no bucket reached its 4 MiB minimum, so what ran was (the title says so)
+    # shared memory is set up for two ranks on one host, and every bucket went through it
     assert setup["shared_memory"] and not setup["torch_ddp_path"]
     comm = [e for e in obj["traceEvents"] if e["name"].startswith("all-reduce")]
-    assert comm and all(e["args"]["transport"] == "Gloo" for e in comm)
-    assert obj["otherData"]["transports"] == {"Gloo": len(comm)}
+    assert comm and all(e["args"]["transport"] == "shared memory" for e in comm)
+    assert obj["otherData"]["transports"] == {"shared memory": len(comm)}
 
 
 def test_bucket_rows_name_their_bytes(traced):
@@ -173,7 +172,7 @@ def test_setup_line_says_whose_path_ran():
 def _shm_trace(ctx, plain: bool):
     torch.manual_seed(0)
     model = DataParallelModel(nn.Linear(1100, 1100), shared_memory_allreduce=not plain,
-                              zero_copy_write_back=not plain)  # 4.6 MiB: one shm-sized bucket
+                              zero_copy_write_back=not plain)  # 4.6 MiB: one bucket
     with trace(model) as rec:
         for _ in range(2):
             model(torch.randn(2, 1100)).sum().backward()

@@ -104,11 +104,10 @@ class DataParallelConfig:
     TCP: a quarter of the CPU time for large buckets. Bitwise the same: at world size 2 every
     element is one IEEE addition, which is commutative. Off, or any other job: Gloo."""
 
-    shared_memory_min_bytes: int = 4 << 20
-    """Smaller buckets stay on Gloo: the shared-memory path costs two small Gloo syncs and a
-    worker thread's hand-off per bucket — more than Gloo needs for a few KiB, and for a bucket
-    of DDP's 1 MiB first-bucket size on a model of many small gradients, where that worker
-    competes with the gradient hooks for the interpreter (docs/performance.md)."""
+    shared_memory_min_bytes: int = 0
+    """Buckets smaller than this stay on Gloo. 0 (the default): every float32/float64 bucket
+    goes through shared memory, since its two syncs are socket round trips of tens of
+    microseconds, less than a Gloo collective of even a few bytes costs (docs/performance.md)."""
 
     grouped_hooks: bool = True
     """Once two consecutive synchronised backwards of the plain path delivered every gradient

@@ -148,7 +148,7 @@ class DataParallelModel(DistributedDataParallel):
                  forward_sync_buffers: bool | None = None, *,
                  sync_timeout_s: float | None = None, stall_warning_s: float | None = 60.0,
                  zero_copy_write_back: bool = False,
-                 shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 4 << 20,
+                 shared_memory_allreduce: bool = True, shared_memory_min_bytes: int = 0,
                  debug: bool | None = None, replica_check_every: int | None = 100,
                  grouped_hooks: bool = True):
         # Not DistributedDataParallel.__init__: it would build torch's C++ reducer.

@@ -63,6 +63,8 @@ ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False},
              "mini_ddp_pergrad": {"grouped_hooks": False},
              # Shared memory from 1 MiB up (DDP's first bucket too), not the default 4 MiB.
              "mini_ddp_shm1m": {"shared_memory_min_bytes": 1 << 20},
+             # Every float bucket through shared memory, however small.
+             "mini_ddp_shm0": {"shared_memory_min_bytes": 0},
              # The replica check (docs/debugging.md): off, at every step (its cost per check),
              # and the debug switch (fingerprints and the local-gradient watch on top).
              "mini_ddp_nochecks": {"replica_check_every": None},

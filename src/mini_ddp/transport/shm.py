@@ -5,13 +5,13 @@ Gloo sums over TCP even when both ranks share a host (a 76 MiB float32 all-reduc
 in a memory segment the peer maps too (:mod:`mini_ddp.transport.shm_files`; which buffer is
 which slot: :mod:`mini_ddp.transport.shm_slots`), and an all-reduce is:
 
-1. *ready*: a tiny collective on a private Gloo group (:mod:`mini_ddp.transport.shm_sync`). It
-   checks that both ranks reduce the same slot with the same size and dtype
+1. *ready*: a few integers each way over a Unix-domain socket between the two processes
+   (:mod:`mini_ddp.transport.shm_sync`; one round trip, tens of microseconds). It checks that both ranks reduce the same slot with the same size and dtype
    (:class:`ShmDesyncError` otherwise, on both ranks), and means both buffers hold their inputs;
 2. rank 0 sums elements ``[0, n//2)`` and rank 1 ``[n//2, n)``: each computes
    ``mine[h] = mine[h] + peer[h]`` and writes the result into the peer's buffer as well
    (:mod:`mini_ddp.transport.shm_sum`);
-3. *done*: a second tiny collective. Afterwards both buffers hold the whole sum, and neither
+3. *done*: a second round trip. Afterwards both buffers hold the whole sum, and neither
    rank touches the other's buffer until the next *ready*.
 
 **Bitwise equal to Gloo.** At world size 2 every element of a SUM is a single IEEE addition,
@@ -23,15 +23,13 @@ on *both* ranks at the same position: which payload survives depends on the oper
 The work runs in call order on a :class:`~mini_ddp.transport.serial_worker.SerialWorker`, so
 the caller (an autograd hook) never blocks: :meth:`SharedMemoryAllreduce.all_reduce` returns a
 future like ``dist.all_reduce(..., async_op=True).get_future()``. Only that thread uses the
-private group, so its syncs never interleave with the main thread's collectives. A dead peer
-makes the group's next collective raise (Gloo notices a closed connection at once, a hung peer
-at the default group's timeout): a :class:`~mini_ddp.errors.CollectiveError` on the future,
-and every later call fails at once. The segments are anonymous memory files (``memfd``), never
+socket, so its syncs never interleave with the main thread's collectives. A dead peer closes
+its end, so the next sync fails at once (a hung peer at the default group's timeout): a
+:class:`~mini_ddp.errors.CollectiveError` on the future, and every later call fails at once. The segments are anonymous memory files (``memfd``), never
 named in ``/dev/shm`` or anywhere else: the peer maps one through the creator's open descriptor
 (``/proc/<pid>/fd``), which is closed as soon as the peer has mapped it, and the memory goes
 with the last mapping. So no file outlives the processes, whatever kills them and whenever —
-creation, mapping, renewal or use, under any launcher. Fast for big buffers (about a third of Gloo's wall
-time), slower than Gloo for tiny ones (two round trips and a thread hand-off).
+creation, mapping, renewal or use, under any launcher.
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ from mini_ddp.transport.shm_sync import (
     ALLOCATE,
     PairSync,
     ShmDesyncError,
-    open_pair_group,
+    open_pair_channel,
 )
 
 __all__ = [
@@ -75,7 +73,7 @@ __all__ = [
 
 _RELEASE_WAIT_S = 0.5
 """How long :meth:`SharedMemoryAllreduce.close` without ``wait`` gives queued work to finish
-before it leaves the private group to the process's end."""
+before it leaves the socket to the process's end."""
 
 
 class SharedMemoryAllreduce:
@@ -90,11 +88,11 @@ class SharedMemoryAllreduce:
     seen in ``/proc/<pid>/maps``). The constructor is internal: use :meth:`create`.
     """
 
-    def __init__(self, side_group: dist.ProcessGroup, rank: int, token: str, peer_pid: int):
+    def __init__(self, channel: PairSync, rank: int, token: str, peer_pid: int):
         self.rank = rank
         self.peer = 1 - rank
         self.token = token
-        self._sync = PairSync(side_group, rank, peer_pid)
+        self._sync = channel
         self._next_slot = 0
         self._table = SlotTable()  # buffers, peer mappings, generations (shm_slots)
         self._closed = False
@@ -114,9 +112,9 @@ class SharedMemoryAllreduce:
         """A transport for the default group, or None on every rank when it cannot work.
 
         Collective: every rank of the default group must call it, and all get the same answer
-        (:func:`~mini_ddp.transport.shm_sync.open_pair_group` says when a transport works).
+        (:func:`~mini_ddp.transport.shm_sync.open_pair_channel` says when a transport works).
         """
-        opened = open_pair_group(group)
+        opened = open_pair_channel(group)
         return None if opened is None else cls(*opened)
 
     # ----------------------------------------------------------------------------- public API
@@ -216,7 +214,7 @@ class SharedMemoryAllreduce:
         Later calls of :meth:`allocate` and :meth:`all_reduce` raise :class:`ShmError`.
         ``wait=False`` does not wait for the worker (it may be stuck on a dead peer): for
         finalizers, which must not block; it gives queued work half a second to finish before
-        it destroys the private group (otherwise the group goes with the process).
+        it closes the socket (otherwise the socket goes with the process).
         """
         with self._lock:
             if self._closed:
@@ -225,9 +223,8 @@ class SharedMemoryAllreduce:
             drained = self._worker.submit(lambda: None)  # done once the queued work is
             self._worker.stop(wait)
         self._table.clear()
-        # The private group's connections go here, on the caller's thread, once the worker
-        # is done with it — never on the worker (a process may be exiting under it), and not
-        # if it is stuck on a dead peer (then the group goes with the process).
+        # The socket is closed here, on the caller's thread, once the worker is done with it —
+        # not while the worker may still be blocked in it (then it goes with the process).
         deadline = time.monotonic() + _RELEASE_WAIT_S
         while not drained.done() and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -1,11 +1,12 @@
-"""The shared-memory all-reduce's handshakes: tiny collectives on a private two-rank group.
+"""The shared-memory all-reduce's handshakes: a few integers each way over a private socket.
 
-:func:`open_pair_group` decides, collectively, whether the transport can work at all (two Gloo
-ranks that see the same ``/dev/shm``) and makes its private group; :class:`PairSync` runs the
-*ready* check (both ranks at the same call: :class:`ShmDesyncError` on both otherwise) and the
-*agree* votes around each allocation and sum, and exchanges the descriptors through which each
-rank maps the other's segments (:mod:`mini_ddp.transport.shm_files`). Gloo failures become
-:class:`~mini_ddp.errors.CollectiveError`.
+:func:`open_pair_channel` decides, collectively, whether the transport can work at all (two
+Gloo ranks that see the same ``/dev/shm``) and connects the two processes by a Unix-domain
+socket; :class:`PairSync` runs the *ready* check (both ranks at the same call:
+:class:`ShmDesyncError` on both otherwise) and the *agree* votes around each allocation and
+sum, and exchanges the descriptors through which each rank maps the other's segments
+(:mod:`mini_ddp.transport.shm_files`). Socket failures (a closed connection, the timeout)
+become :class:`~mini_ddp.errors.CollectiveError`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
+import socket
+import struct
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,27 +72,64 @@ def _dtype_name(code: int) -> str:
     return str(_DTYPES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPES) else "?"
 
 
-def _default_timeout() -> datetime.timedelta | None:
-    """The default group's collective timeout (None: let torch choose)."""
+def _default_timeout() -> datetime.timedelta:
+    """The default group's collective timeout (torch's default when it cannot be read)."""
     try:
         backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
         timeout = backend.options._timeout
     except (AttributeError, RuntimeError):  # private API: degrade to torch's default
-        return None
-    return timeout if isinstance(timeout, datetime.timedelta) else None
+        return dist.default_pg_timeout
+    return timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
 
 
-def open_pair_group(group: dist.ProcessGroup | None
-                    ) -> tuple[dist.ProcessGroup, int, str, int] | None:
-    """``(private group, rank, token, peer pid)`` for a transport, or None on every rank.
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of the Unix socket ``sock`` (the kernel's word)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def _connect(address: str, server_pid: int, timeout_s: float) -> socket.socket | None:
+    """Rank 1's end: connected to ``address`` if the process listening there is rank 0."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(address)
+        if _peer_pid(sock) == server_pid:
+            return sock
+    except (OSError, AttributeError):  # AttributeError: no SO_PEERCRED (not Linux)
+        pass
+    sock.close()
+    return None
+
+
+def _accept(listener: socket.socket, client_pid: int, timeout_s: float) -> socket.socket | None:
+    """Rank 0's end: the connection from rank 1 (queued already), refusing any other process."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        listener.settimeout(left)
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return None
+        try:
+            if _peer_pid(sock) == client_pid:
+                return sock
+        except OSError:
+            pass
+        sock.close()  # another process found the address first: not our peer
+    return None
+
+
+def open_pair_channel(group: dist.ProcessGroup | None) -> tuple[PairSync, int, str, int] | None:
+    """``(channel, rank, token, peer pid)`` for a transport, or None on every rank.
 
     Collective on the default group, the same answer on all ranks: a transport only if
     ``group`` is None or the default group, the default group is Gloo with exactly 2 ranks, and
     a probe shows that each rank can map the other's segments (rank 0 puts a random secret in
     a memory file, rank 1 reads it back through ``/proc/<pid>/fd``: same machine, same pid
-    namespace, access allowed; agreed with an all-reduce MIN). It then makes the private Gloo
-    group (``dist.new_group``, also collective on the default group) with the default group's
-    timeout, and a per-transport random token for the segment labels.
+    namespace, access allowed). The channel is a Unix-domain socket between the two processes
+    (an abstract address, so no file; each end checks the other's pid with ``SO_PEERCRED``),
+    with the default group's timeout. Every check is agreed with an all-reduce MIN.
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
@@ -99,12 +141,17 @@ def open_pair_group(group: dist.ProcessGroup | None
     token = secrets.token_hex(8)
     secret = secrets.token_hex(16)
     probe = f"{FILE_PREFIX}{token}_probe"
-    fd = -1
+    timeout_s = _default_timeout().total_seconds()
+    fd, listener, sock = -1, None, None
     try:
         if rank == 0:
             try:
                 fd = create_probe(probe, secret.encode())
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                listener.bind(f"\0{FILE_PREFIX}{token}")  # abstract: no file to leave behind
+                listener.listen(1)
             except (OSError, AttributeError):  # AttributeError: no memfd_create (not Linux)
+                close_quietly(fd)
                 fd = -1
         shared: list[Any] = [token, secret, fd]
         dist.broadcast_object_list(shared, src=0)
@@ -119,48 +166,88 @@ def open_pair_group(group: dist.ProcessGroup | None
                 ok = read_probe(int(pids[0]), probe_fd, probe) == secret.encode()
             except OSError:
                 ok = False
-        agreed = torch.tensor([int(ok)], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            # Before the vote, so that rank 0's accept below finds the connection queued.
+            sock = _connect(f"\0{FILE_PREFIX}{token}", int(pids[0]), timeout_s) if ok else None
+            ok = sock is not None
+        if _agreed(ok) and rank == 0:
+            sock = _accept(listener, int(pids[1]), timeout_s)
+        if not _agreed(sock is not None):
+            return None
+        channel, sock = PairSync(sock, rank, int(pids[1 - rank]), timeout_s), None
+        return channel, rank, token, int(pids[1 - rank])
     finally:
-        if fd >= 0:
-            close_quietly(fd)
-    if not agreed.item():
-        return None
-    timeout = _default_timeout()
-    side = dist.new_group(ranks=[0, 1], backend="gloo",
-                          **({"timeout": timeout} if timeout is not None else {}))
-    return side, rank, token, int(pids[1 - rank])
+        close_quietly(fd)
+        if listener is not None:
+            listener.close()
+        if sock is not None:  # not handed to a channel
+            sock.close()
+
+
+def _agreed(ok: bool) -> bool:
+    """Whether ``ok`` holds on both ranks (an all-reduce MIN on the default group)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 class PairSync:
-    """The ready check and the votes of one transport, on its private group."""
+    """The ready check and the votes of one transport, over its socket to the peer.
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, peer_pid: int):
-        self.group, self.rank, self.peer = group, rank, 1 - rank
+    Every sync is one :meth:`exchange`: each rank sends a few integers and receives the
+    peer's (one round trip of a Unix-domain socket, tens of microseconds, where a Gloo
+    collective costs hundreds). A dead peer closes its end, so a waiting rank fails at once; a
+    hung one fails at the default group's timeout.
+    """
+
+    def __init__(self, sock: socket.socket, rank: int, peer_pid: int, timeout_s: float):
+        self.sock: socket.socket | None = sock
+        self.rank, self.peer = rank, 1 - rank
         self.peer_pid = peer_pid
+        self.timeout_s = timeout_s
+        sock.settimeout(timeout_s)
 
     def release(self) -> None:
-        """Destroy the private group (its connections and descriptors). Local; idempotent.
+        """Close the socket (the peer's next exchange fails at once). Local; idempotent."""
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
 
-        Only once nothing uses the group any more. After ``destroy_process_group()`` of the
-        default group it is gone already: then nothing is done here.
-        """
-        if self.group is None or not dist.is_initialized():
-            return
-        group, self.group = self.group, None
-        if group is not None:
-            try:
-                dist.destroy_process_group(group)
-            except (AssertionError, ValueError, RuntimeError):
-                pass  # already gone with the default group (destroy_process_group() first)
-
-    def collective(self, what: str, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
-        """A tiny all-reduce on the private group; Gloo failures become CollectiveError."""
-        try:
-            dist.all_reduce(tensor, op=op, group=self.group)
-        except RuntimeError as err:
+    def exchange(self, what: str, values: Sequence[int]) -> tuple[int, ...]:
+        """Send ``values`` to the peer and return the peer's (as many); a closed connection or
+        the timeout becomes :class:`~mini_ddp.errors.CollectiveError` naming ``what``."""
+        mine = struct.pack(f"<{len(values)}q", *values)
+        theirs = bytearray(len(mine))
+        failure = self._swap(mine, theirs)
+        if failure is not None:
             raise CollectiveError(self.rank, f"the shared-memory all-reduce ({what})",
-                                  err) from err
+                                  failure) from failure
+        return struct.unpack(f"<{len(values)}q", theirs)
+
+    def _swap(self, mine: bytes, theirs: bytearray) -> OSError | None:
+        """Send ``mine``, fill ``theirs`` from the peer; None, or what went wrong, in words
+        :class:`~mini_ddp.errors.CollectiveError` reads right (a timeout as a hang, a closed
+        connection in Gloo's words for it)."""
+        sock = self.sock
+        if sock is None:
+            return ConnectionError("the transport's connection was closed on this rank")
+        try:
+            sock.sendall(mine)
+            view, received = memoryview(theirs), 0
+            while received < len(theirs):
+                n = sock.recv_into(view[received:])
+                if n == 0:
+                    return ConnectionResetError(f"Connection closed by peer: rank {self.peer} "
+                                                "exited or was killed")
+                received += n
+        except TimeoutError:
+            return TimeoutError(f"timed out after {self.timeout_s:.0f} s waiting for rank "
+                                f"{self.peer}")
+        except (ConnectionResetError, BrokenPipeError) as err:
+            return ConnectionResetError(f"Connection closed by peer: rank {self.peer} exited "
+                                        f"or was killed ({err})")
+        except OSError as err:
+            return err
+        return None
 
     def ready(self, op: int, slot: int, numel: int, dtype: torch.dtype, gen: int,
               fd: int = -1) -> tuple[int, int]:
@@ -170,14 +257,13 @@ class PairSync:
         ``renew``) and the descriptor ``fd`` of a renewed buffer the peer has not mapped yet;
         returns the peer's ``(gen, fd)``.
         """
-        rows = torch.zeros(2, 6, dtype=torch.int64)
-        rows[self.rank] = torch.tensor([op, slot, numel, _dtype_code(dtype), gen, fd])
-        self.collective(f"{_OPS[op]} of slot {slot}, ready sync", rows, dist.ReduceOp.SUM)
-        if not torch.equal(rows[0, :4], rows[1, :4]):
-            told = {r: (_OPS.get(int(row[0]), "?"), int(row[1]), int(row[2]),
-                        _dtype_name(int(row[3]))) for r, row in enumerate(rows)}
+        mine = (op, slot, numel, _dtype_code(dtype), gen, fd)
+        theirs = self.exchange(f"{_OPS[op]} of slot {slot}, ready sync", mine)
+        if mine[:4] != theirs[:4]:
+            told = {r: (_OPS.get(row[0], "?"), row[1], row[2], _dtype_name(row[3]))
+                    for r, row in ((self.rank, mine), (self.peer, theirs))}
             raise ShmDesyncError(self.rank, told)
-        return int(rows[self.peer, 4]), int(rows[self.peer, 5])
+        return theirs[4], theirs[5]
 
     def open_peer(self, token: str, slot: int, gen: int, fd: int, numel: int,
                   dtype: torch.dtype) -> torch.Tensor:
@@ -187,9 +273,8 @@ class PairSync:
 
     def agree(self, what: str, ok: bool) -> bool:
         """Whether ``ok`` holds on both ranks."""
-        flag = torch.tensor([int(ok)], dtype=torch.int64)
-        self.collective(what, flag, dist.ReduceOp.MIN)
-        return bool(flag.item())
+        theirs = self.exchange(what, (int(ok),))[0]  # always: the peer waits for our vote
+        return bool(ok) and bool(theirs)
 
     def map_pair(self, token: str, slot: int, numel: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,17 +294,16 @@ class PairSync:
                 segment = create_segment(mine, numel, dtype)
             except OSError as err:
                 problem = f"rank {self.rank} could not create {mine}: {err}"
-            rows = torch.zeros(2, 2, dtype=torch.int64)
-            rows[self.rank] = torch.tensor([int(not problem),
-                                            -1 if segment is None else segment.fd])
-            self.collective(f"{what}, segments created", rows, dist.ReduceOp.SUM)
-            if not bool(rows[:, 0].all()):
+            peer_ok, peer_fd = self.exchange(f"{what}, segments created",
+                                             (int(not problem),
+                                              -1 if segment is None else segment.fd))
+            if problem or not peer_ok:
                 problem = problem or f"rank {self.peer} could not create its segment"
                 raise ShmAllocationError(
                     f"mini_ddp: {problem} ({numel} elements of {dtype} for slot {slot}); "
                     "memory may be exhausted")
             try:
-                peer = self.open_peer(token, slot, 0, int(rows[self.peer, 1]), numel, dtype)
+                peer = self.open_peer(token, slot, 0, peer_fd, numel, dtype)
             except OSError as err:
                 problem = f"rank {self.rank} could not map the segment of rank {self.peer}: {err}"
             # After this sync the peer has mapped my segment (or given up): my descriptor can go.
