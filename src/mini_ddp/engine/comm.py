@@ -13,6 +13,7 @@ broadcast, reduce-add, scatter, gather) see :mod:`mini_ddp.transport.local_comm`
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,12 +40,22 @@ def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
                                group: dist.ProcessGroup | None = None) -> None:
     """Raise :class:`ParameterMismatchError` on every rank unless all ranks agree with rank 0.
 
-    Compares, in order, each parameter's name, shape, stride, dtype and device type.
+    Compares, in order, each parameter's name, shape, stride, dtype and device type: first a
+    digest of them from every rank (one all-gather of a number each), and only if the digests
+    differ the descriptions themselves, to name the difference.
     """
     mine = [_describe(n, t) for n, t in named_params]
-    everyone: list = [None] * dist.get_world_size(group)
-    with naming_collective(dist.get_rank(group), "the start-up all-gather that checks every "
-                           "rank holds the same parameters"):
+    digest = int.from_bytes(hashlib.blake2b(repr(mine).encode(), digest_size=8).digest(),
+                            "little", signed=True)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    digests = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    what = "the start-up all-gather that checks every rank holds the same parameters"
+    with naming_collective(rank, what):
+        dist.all_gather(digests, torch.tensor([digest], dtype=torch.int64), group=group)
+    if all(int(d) == digest for d in digests):  # every rank sees the same digests
+        return
+    everyone: list = [None] * size
+    with naming_collective(rank, what):
         dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):

@@ -61,10 +61,10 @@ ABLATIONS = {"mini_ddp_copy": {"zero_copy_write_back": False},
              "mini_ddp_nostall": {"stall_warning_s": None},
              # One hook per gradient always (no grouped hooks, mini_ddp.engine.hook_groups).
              "mini_ddp_pergrad": {"grouped_hooks": False},
-             # Shared memory from 1 MiB up (DDP's first bucket too), not the default 4 MiB.
+             # Only buckets of at least 1 MiB (DDP's first bucket size) / 4 MiB through shared
+             # memory, the rest through Gloo; the default sends every float bucket there.
              "mini_ddp_shm1m": {"shared_memory_min_bytes": 1 << 20},
-             # Every float bucket through shared memory, however small.
-             "mini_ddp_shm0": {"shared_memory_min_bytes": 0},
+             "mini_ddp_shm4m": {"shared_memory_min_bytes": 4 << 20},
              # The replica check (docs/debugging.md): off, at every step (its cost per check),
              # and the debug switch (fingerprints and the local-gradient watch on top).
              "mini_ddp_nochecks": {"replica_check_every": None},

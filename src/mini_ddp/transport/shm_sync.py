@@ -18,7 +18,6 @@ import socket
 import struct
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,36 +137,36 @@ def open_pair_channel(group: dist.ProcessGroup | None) -> tuple[PairSync, int, s
         return None
     rank = dist.get_rank()
     wanted = group is None or group is dist.group.WORLD
-    token = secrets.token_hex(8)
-    secret = secrets.token_hex(16)
-    probe = f"{FILE_PREFIX}{token}_probe"
+    # What rank 0 tells rank 1 and the two pids, in one all-reduce SUM (each rank fills its
+    # own fields): [token, secret, secret, probe fd, pid of rank 0, pid of rank 1].
+    shared = torch.zeros(6, dtype=torch.int64)
     timeout_s = _default_timeout().total_seconds()
     fd, listener, sock = -1, None, None
     try:
         if rank == 0:
+            shared[:3] = torch.tensor([secrets.randbits(63) for _ in range(3)])
+            token, secret = _token_and_secret(shared)
             try:
-                fd = create_probe(probe, secret.encode())
+                fd = create_probe(f"{FILE_PREFIX}{token}_probe", secret)
                 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 listener.bind(f"\0{FILE_PREFIX}{token}")  # abstract: no file to leave behind
                 listener.listen(1)
             except (OSError, AttributeError):  # AttributeError: no memfd_create (not Linux)
                 close_quietly(fd)
                 fd = -1
-        shared: list[Any] = [token, secret, fd]
-        dist.broadcast_object_list(shared, src=0)
-        token, secret, probe_fd = shared
-        pids = torch.zeros(2, dtype=torch.int64)
-        pids[rank] = os.getpid()
-        dist.all_reduce(pids)
+            shared[3] = fd
+        shared[4 + rank] = os.getpid()
+        dist.all_reduce(shared)
+        token, secret = _token_and_secret(shared)
+        probe_fd, pids = int(shared[3]), [int(shared[4]), int(shared[5])]
         ok = wanted and probe_fd >= 0
         if ok and rank == 1:
             try:
-                probe = f"{FILE_PREFIX}{token}_probe"  # rank 0's token, as broadcast
-                ok = read_probe(int(pids[0]), probe_fd, probe) == secret.encode()
+                ok = read_probe(pids[0], probe_fd, f"{FILE_PREFIX}{token}_probe") == secret
             except OSError:
                 ok = False
             # Before the vote, so that rank 0's accept below finds the connection queued.
-            sock = _connect(f"\0{FILE_PREFIX}{token}", int(pids[0]), timeout_s) if ok else None
+            sock = _connect(f"\0{FILE_PREFIX}{token}", pids[0], timeout_s) if ok else None
             ok = sock is not None
         if _agreed(ok) and rank == 0:
             sock = _accept(listener, int(pids[1]), timeout_s)
@@ -181,6 +180,12 @@ def open_pair_channel(group: dist.ProcessGroup | None) -> tuple[PairSync, int, s
             listener.close()
         if sock is not None:  # not handed to a channel
             sock.close()
+
+
+def _token_and_secret(shared: torch.Tensor) -> tuple[str, bytes]:
+    """The transport's token (hex, for labels and the socket's address) and the probe's secret,
+    from the first three random fields rank 0 shares."""
+    return f"{int(shared[0]):016x}", struct.pack("<2q", int(shared[1]), int(shared[2]))
 
 
 def _agreed(ok: bool) -> bool:
