@@ -19,7 +19,7 @@ import torch.distributed as dist
 from mini_ddp import run_ranks
 from mini_ddp.transport.shm import SharedMemoryAllreduce
 
-SIZES = {"4 KiB": 4 << 10, "10 MiB": 10 << 20, "76 MiB": 76 << 20}
+SIZES = {"4 B": 4, "4 KiB": 4 << 10, "1 MiB": 1 << 20, "10 MiB": 10 << 20, "76 MiB": 76 << 20}
 
 
 def _time(call, repeat: int) -> tuple[float, float]:
@@ -59,7 +59,7 @@ def main() -> None:
     print("size     Gloo wall/CPU ms   shared memory wall/CPU ms   (median, slower rank)")
     for label in SIZES:
         g_w, g_c, s_w, s_c = (max(r[label][i] for r in results) for i in range(4))
-        print(f"{label:8s} {g_w:7.1f} / {g_c:5.1f}     {s_w:7.1f} / {s_c:5.1f}")
+        print(f"{label:8s} {g_w:7.2f} / {g_c:5.2f}     {s_w:7.2f} / {s_c:5.2f}")
 
 
 if __name__ == "__main__":
