@@ -255,11 +255,11 @@ def _check(per_rank: list[dict], name: str, order: str) -> None:
         assert mini["ddp_optimizer"] and mini["ddp_optimizer"][0] == (2**20, 3), mini
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(420)
 def test_features_under_compile_like_torch_ddp():
     """Every case, both orders, both engines, in one two-rank run (one test, so that a
     parallel test run does not start it twice); every failing case is reported."""
-    per_rank = run_ranks(_compare_cases, WORLD, (RUNS,), timeout_s=180)
+    per_rank = run_ranks(_compare_cases, WORLD, (RUNS,), timeout_s=400)
     failures = []
     for name, order in RUNS:
         try:

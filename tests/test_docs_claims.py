@@ -130,11 +130,13 @@ def _skips_a_branch(ctx, engine: str) -> str:
 def test_a_rank_that_skips_a_branch_fails_at_its_next_forward_and_the_others_at_once(engine):
     """Rank 1 skips the branch in step 2: its backward returns, its next forward raises torch
     DDP's "Expected to have finished reduction…"; its exit makes rank 0's pending all-reduce
-    fail (connection closed by the peer), not wait for the process group's timeout (60 s)."""
+    fail (connection closed or reset by the peer), not wait for the process group's timeout
+    (60 s)."""
     rank0, rank1 = run_ranks(_skips_a_branch, 2, args=(engine,), timeout_s=90,
                              collective_timeout_s=60)
     assert "Expected to have finished reduction in the prior iteration" in rank1, rank1
-    assert "Timed out" not in rank0 and "closed by peer" in rank0, rank0
+    assert "Timed out" not in rank0, rank0
+    assert "closed by peer" in rank0 or "reset by peer" in rank0, rank0  # Gloo says either
 
 
 # ---- docs/recipes.md: shards of different lengths without join() -------------------------
