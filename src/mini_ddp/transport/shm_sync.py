@@ -182,6 +182,19 @@ def open_pair_channel(group: dist.ProcessGroup | None) -> tuple[PairSync, int, s
             sock.close()
 
 
+_PEER_EXIT_S = 1.0
+"""How long a rank whose peer closed the transport's socket waits for that process to end."""
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _token_and_secret(shared: torch.Tensor) -> tuple[str, bytes]:
     """The transport's token (hex, for labels and the socket's address) and the probe's secret,
     from the first three random fields rank 0 shares."""
@@ -241,6 +254,7 @@ class PairSync:
             while received < len(theirs):
                 n = sock.recv_into(view[received:])
                 if n == 0:
+                    self._let_peer_exit()
                     return ConnectionResetError(f"Connection closed by peer: rank {self.peer} "
                                                 "exited or was killed")
                 received += n
@@ -253,6 +267,15 @@ class PairSync:
         except OSError as err:
             return err
         return None
+
+    def _let_peer_exit(self) -> None:
+        """The peer closed its end while its process still runs: most often its model was
+        dropped as its script ends. Give that process up to :data:`_PEER_EXIT_S` to end, so that
+        the finish mark it leaves at exit ("finished", not "died") is in the store when this
+        rank's error reads it; a killed peer is gone already and costs nothing here."""
+        deadline = time.monotonic() + _PEER_EXIT_S
+        while _running(self.peer_pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def ready(self, op: int, slot: int, numel: int, dtype: torch.dtype, gen: int,
               fd: int = -1) -> tuple[int, int]:
