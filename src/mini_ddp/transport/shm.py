@@ -6,8 +6,9 @@ in a memory segment the peer maps too (:mod:`mini_ddp.transport.shm_files`; whic
 which slot: :mod:`mini_ddp.transport.shm_slots`), and an all-reduce is:
 
 1. *ready*: a few integers each way over a Unix-domain socket between the two processes
-   (:mod:`mini_ddp.transport.shm_sync`; one round trip, tens of microseconds). It checks that both ranks reduce the same slot with the same size and dtype
-   (:class:`ShmDesyncError` otherwise, on both ranks), and means both buffers hold their inputs;
+   (:mod:`mini_ddp.transport.shm_sync`; one round trip, tens of microseconds). It checks that
+   both ranks reduce the same slot with the same size and dtype (:class:`ShmDesyncError`
+   otherwise, on both ranks), and means both buffers hold their inputs;
 2. rank 0 sums elements ``[0, n//2)`` and rank 1 ``[n//2, n)``: each computes
    ``mine[h] = mine[h] + peer[h]`` and writes the result into the peer's buffer as well
    (:mod:`mini_ddp.transport.shm_sum`);
@@ -25,7 +26,8 @@ the caller (an autograd hook) never blocks: :meth:`SharedMemoryAllreduce.all_red
 future like ``dist.all_reduce(..., async_op=True).get_future()``. Only that thread uses the
 socket, so its syncs never interleave with the main thread's collectives. A dead peer closes
 its end, so the next sync fails at once (a hung peer at the default group's timeout): a
-:class:`~mini_ddp.errors.CollectiveError` on the future, and every later call fails at once. The segments are anonymous memory files (``memfd``), never
+:class:`~mini_ddp.errors.CollectiveError` on the future, and every later call fails at once.
+The segments are anonymous memory files (``memfd``), never
 named in ``/dev/shm`` or anywhere else: the peer maps one through the creator's open descriptor
 (``/proc/<pid>/fd``), which is closed as soon as the peer has mapped it, and the memory goes
 with the last mapping. So no file outlives the processes, whatever kills them and whenever —

@@ -169,11 +169,12 @@ def open_pair_channel(group: dist.ProcessGroup | None) -> tuple[PairSync, int, s
             sock = _connect(f"\0{FILE_PREFIX}{token}", pids[0], timeout_s) if ok else None
             ok = sock is not None
         if _agreed(ok) and rank == 0:
-            sock = _accept(listener, int(pids[1]), timeout_s)
+            sock = _accept(listener, pids[1], timeout_s)
         if not _agreed(sock is not None):
             return None
-        channel, sock = PairSync(sock, rank, int(pids[1 - rank]), timeout_s), None
-        return channel, rank, token, int(pids[1 - rank])
+        peer_pid = pids[1 - rank]
+        channel, sock = PairSync(sock, rank, peer_pid, timeout_s), None
+        return channel, rank, token, peer_pid
     finally:
         close_quietly(fd)
         if listener is not None:
