@@ -471,19 +471,19 @@ def _shm(ctx, what: str) -> str:
         err = _raised(lambda: shm.all_reduce(torch.zeros(4)))
     elif what == "worker thread":  # a callback of the transport's future runs on its thread
         buffer = shm.allocate(4, torch.float32)
-        real_sum = shm_module.sum_range
+        real_sum = shm_module.sum_chunk
 
         def slow_sum(*args: object) -> None:  # the callback is attached before the sum is done
             time.sleep(0.3)
             real_sum(*args)
 
-        with mock.patch("mini_ddp.transport.shm.sum_range", side_effect=slow_sum):
+        with mock.patch("mini_ddp.transport.shm.sum_chunk", side_effect=slow_sum):
             fut = shm.all_reduce(buffer).then(lambda _: shm.allocate(4, torch.float32))
             err = _raised(fut.wait)
     elif what == "peer failed":
         buffer = shm.allocate(4, torch.float32)
-        if ctx.rank == 1:  # this rank's half of the sum fails; rank 0 reports its peer
-            with mock.patch("mini_ddp.transport.shm.sum_range", side_effect=RuntimeError("boom")):
+        if ctx.rank == 1:  # this rank's chunk of the sum fails; rank 0 reports its peer
+            with mock.patch("mini_ddp.transport.shm.sum_chunk", side_effect=RuntimeError("boom")):
                 _raised(shm.all_reduce(buffer).wait)
             shm.close()
             return "late"
@@ -516,7 +516,7 @@ SHM: dict[str, str] = {
     "Ranks out of step on the shared-memory transport": "desync",
     "Shared-memory transport used after close": "closed",
     "A shared buffer could not be created or mapped": "huge",
-    "The peer failed its half of a shared-memory sum": "peer failed",
+    "A peer failed its chunk of a shared-memory sum": "peer failed",
     "Shared-memory transport arguments": "numel",
     "Shared-memory sum of an unsupported dtype": "dtype",
     "Not a buffer of the shared-memory transport": "foreign",

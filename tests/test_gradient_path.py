@@ -42,12 +42,13 @@ OBSERVERS = ("FlightLog.", "RuntimeLog.")
 # Measured at the grouped steady state: 34 functions in 7 files (the backward's first hook
 # takes the per-gradient path, the others the grouped one, and one is the whole-bucket
 # multiply); one more (transport/wait.py's deadline arithmetic) when a bucket's all-reduce has
-# not finished by the time backward ends. At two ranks on one host the bucket's sum goes
-# through the shared-memory transport (its worker thread: submit, ready sync, half sum, done
-# sync), counted apart: measured 19 functions in 6 files of transport/.
+# not finished by the time backward ends. On one host the bucket's sum goes through the
+# shared-memory transport (its worker thread: submit, ready sync, the rank's chunk of the sum,
+# done sync), counted apart: measured 27 functions in 6 files of transport/ at three ranks,
+# comprehensions included.
 MAX_FILES, MAX_FUNCTIONS = 7, 35
 SHM_ROUTE = ("src/mini_ddp/transport/shm", "src/mini_ddp/transport/serial_worker.py")
-MAX_SHM_FILES, MAX_SHM_FUNCTIONS = 6, 24
+MAX_SHM_FILES, MAX_SHM_FUNCTIONS = 6, 28
 REFERENCE = re.compile(r"`(src/mini_ddp/[\w/]+\.py):([\w.]+)`")
 STEPS = 5  # the 2nd forward rebuilds the buckets; the 4th groups the hooks; the 5th is steady
 
@@ -97,7 +98,10 @@ def _trace_a_step(ctx: Any) -> dict[str, Any]:
     threading.setprofile(recorder)
     try:
         torch.manual_seed(0)
-        model = DataParallelModel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        # The Gloo route (the one across machines) is traced at world size 3 with the
+        # transport off; the shared-memory route, the default on one host, at world size 2.
+        model = DataParallelModel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                                  shared_memory_allreduce=ctx.world_size == 2)
         x = torch.randn(3, 4) * (ctx.rank + 1)
         for step in range(1, STEPS + 1):
             recorder.step = step
@@ -153,8 +157,8 @@ def _summary(functions: set[tuple[str, str]]) -> str:
 
 
 def test_one_gradients_default_path_is_short_and_the_page_names_it():
-    # Three ranks: the all-reduce through Gloo (every world size but two on one host); two
-    # ranks: the same engine path, with the sum through the shared-memory transport.
+    # Three ranks with the transport off: the all-reduce through Gloo (ranks on several
+    # machines); two ranks: the same engine path, with the sum through shared memory.
     by_world = {n: run_ranks(_trace_a_step, n, timeout_s=120) for n in (3, 2)}
     for n, results in by_world.items():
         for name, grads in enumerate(zip(*(r["grads"] for r in results), strict=True)):

@@ -1,10 +1,11 @@
 """The shared-memory all-reduce (mini_ddp.transport.shm) is bitwise Gloo's SUM, and fails loudly, not slowly.
 
-Process start-up is the expensive part, so every world-size-2 case that leaves the peer alive
-runs inside one ``run_ranks`` call: the ranks compare against ``dist.all_reduce`` themselves
-(``torch.equal`` and the raw bits) and return verdicts plus a digest of each result, so the
-parent can also check that both ranks ended with the same bytes. A second call kills rank 1;
-two tiny ones check that other world sizes get no transport.
+Process start-up is the expensive part, so every case that leaves the peers alive runs inside
+one ``run_ranks`` call per world size (2, where each element is one addition, and 3, where the
+ring's order of additions decides the bits): the ranks compare against ``dist.all_reduce``
+themselves (``torch.equal`` and the raw bits) and return verdicts plus a digest of each result,
+so the parent can also check that every rank ended with the same bytes. Another call kills
+rank 1; a tiny one checks that a single rank gets no transport.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 def _sizes(dtype: torch.dtype) -> list[int]:
-    """Empty, tiny, odd, a prime above 2**16, and about 4 MiB (odd, so the halves differ)."""
-    return [0, 1, 2, 3, 1000, 65537, (4 << 20) // dtype.itemsize + 3]
+    """Empty, tiny (fewer elements than ring chunks), odd, a prime above 2**16, and about
+    4 MiB (odd, and more than one 1 MiB ring segment per chunk)."""
+    return [0, 1, 2, 3, 5, 1000, 65537, (4 << 20) // dtype.itemsize + 3]
 
 
 def _data(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -91,10 +93,11 @@ def _outcome(fn) -> tuple[str, str, float]:
     return "ok", "", time.monotonic() - started
 
 
-def _two_ranks(ctx) -> dict:
+def _all_ranks(ctx) -> dict:
     """Rank body: parity with Gloo, then free/close/bad input, then the desync cases."""
     rank, out = ctx.rank, {"tokens": []}
-    assert SharedMemoryAllreduce.create(dist.new_group([0, 1])) is None, "only the default group"
+    group = dist.new_group(list(range(ctx.world_size)))
+    assert SharedMemoryAllreduce.create(group) is None, "only the default group"
     shm = SharedMemoryAllreduce.create()
     assert shm is not None
     out["tokens"].append(shm.token)
@@ -176,68 +179,72 @@ def _two_ranks(ctx) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return run_ranks(_two_ranks, 2, timeout_s=120)
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def ranks(request) -> list[dict]:
+    return run_ranks(_all_ranks, request.param, timeout_s=180)
 
 
-def test_bitwise_equal_to_gloo_on_both_ranks(two_ranks: list[dict]) -> None:
-    for rank, out in enumerate(two_ranks):
+def test_bitwise_equal_to_gloo_on_both_ranks(ranks: list[dict]) -> None:
+    for rank, out in enumerate(ranks):
         for row in out["parity"]:
             assert row["same_object"], (rank, row["case"])
             assert row["equal"] and row["bits_equal"], (rank, row["case"], row["mismatches"])
             assert row["use_count"] == 2, (rank, row["case"], "a view of the buffer lingers")
     expected_rows = STEPS * sum(len(_sizes(d)) for d in DTYPES)
-    assert len(two_ranks[0]["parity"]) == expected_rows
-    digests = [[row["digest"] for row in out["parity"]] for out in two_ranks]
-    assert digests[0] == digests[1], "the two ranks ended with different bytes"
+    assert len(ranks[0]["parity"]) == expected_rows
+    digests = [[row["digest"] for row in out["parity"]] for out in ranks]
+    assert all(d == digests[0] for d in digests), "the ranks ended with different bytes"
 
 
-def test_allocate_gives_zeroed_flat_buffers(two_ranks: list[dict]) -> None:
+def test_allocate_gives_zeroed_flat_buffers(ranks: list[dict]) -> None:
     want = [((n,), str(d), True, True) for d in DTYPES for n in _sizes(d)]
-    for out in two_ranks:
+    for out in ranks:
         assert [tuple(x) for x in out["fresh"]] == want
-        assert out["extra"] == [3.0, 3.0, 3.0]
+        world = len(ranks)
+        assert out["extra"] == [world * (world + 1) / 2] * 3
 
 
-def test_bad_input_free_and_close(two_ranks: list[dict]) -> None:
-    for out in two_ranks:
+def test_bad_input_free_and_close(ranks: list[dict]) -> None:
+    for out in ranks:
         (kind0, msg0), (kind1, msg1), (kind2, _) = out["bad"]
         assert kind0 == "ValueError" and "shape (3,)" in msg0
         assert kind1 == "ValueError" and "not a view" in msg1
         assert kind2 == "ValueError"
         assert out["after_free"][0] == "ValueError"
-        assert out["maps_freed"] == 2, "free() left the own or the peer mapping alive"
+        assert out["maps_freed"] == len(ranks), "free() left a mapping alive"
         assert out["closed"][0] == "ShmError" and "closed" in out["closed"][1]
 
 
 def test_failed_allocation_fails_on_both_ranks_and_transport_survives(
-        two_ranks: list[dict]) -> None:
-    for out in two_ranks:
+        ranks: list[dict]) -> None:
+    for out in ranks:
         kind, message = out["alloc_error"]
         assert kind == ShmAllocationError.__name__, message
         assert "rank 1 could not create" in message
-        assert out["after_alloc_error"] == [2.0] * 5
+        world = len(ranks)
+        assert out["after_alloc_error"] == [sum(r + 0.5 for r in range(world))] * 5
 
 
-def test_desync_is_a_clear_error_on_both_ranks(two_ranks: list[dict]) -> None:
-    for out in two_ranks:
+def test_desync_is_a_clear_error_on_both_ranks(ranks: list[dict]) -> None:
+    for out in ranks:
         kind, message, _ = out["desync_reduce"]
         assert kind == ShmDesyncError.__name__, message
         assert "rank 0 called all_reduce on slot 0 (10 elements of float32)" in message
-        assert "rank 1 called all_reduce on slot 1 (20 elements of float32)" in message
+        for rank in range(1, len(ranks)):
+            assert f"rank {rank} called all_reduce on slot 1 (20 elements of float32)" in message
         kind, message, _ = out["desync_next"]
         assert kind == ShmError.__name__ and "failed earlier" in message
         kind, message, _ = out["desync_allocate"]
         assert kind == ShmDesyncError.__name__, message
         assert "rank 0 called allocate on slot 0 (10 elements of float32)" in message
-        assert "rank 1 called allocate on slot 0 (11 elements of float64)" in message
+        for rank in range(1, len(ranks)):
+            assert f"rank {rank} called allocate on slot 0 (11 elements of float64)" in message
 
 
-def test_no_files_left_in_dev_shm(two_ranks: list[dict]) -> None:
-    assert len(set(two_ranks[0]["tokens"])) == 3 and two_ranks[0]["tokens"] == two_ranks[1][
-        "tokens"]
-    for token in two_ranks[0]["tokens"]:
+def test_no_files_left_in_dev_shm(ranks: list[dict]) -> None:
+    assert len(set(ranks[0]["tokens"])) == 3
+    assert all(out["tokens"] == ranks[0]["tokens"] for out in ranks)
+    for token in ranks[0]["tokens"]:
         assert glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{token}*")) == []
 
 
@@ -245,9 +252,8 @@ def _other_world_size(ctx) -> bool:
     return SharedMemoryAllreduce.create() is None
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_no_transport_unless_two_ranks(world_size: int) -> None:
-    assert run_ranks(_other_world_size, world_size, timeout_s=60) == [True] * world_size
+def test_no_transport_for_one_rank() -> None:
+    assert run_ranks(_other_world_size, 1, timeout_s=60) == [True]
 
 
 def _dead_peer(ctx, outdir: str) -> None:
@@ -307,9 +313,10 @@ def _renewals(ctx) -> dict:
     return {"verdicts": verdicts, "intact": intact, "kept": len(kept), "token": shm.token}
 
 
-def test_renew_keeps_old_buffer_and_stays_bitwise() -> None:
-    results = run_ranks(_renewals, 2, timeout_s=60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_renew_keeps_old_buffer_and_stays_bitwise(world_size: int) -> None:
+    results = run_ranks(_renewals, world_size, timeout_s=60)
     for rank, result in enumerate(results):
         assert all(result["verdicts"]), (rank, result["verdicts"])
-        assert result["intact"] and result["kept"] == (3, 2)[rank], (rank, result)
+        assert result["intact"] and result["kept"] == (3, 2, 0)[rank], (rank, result)
     assert glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{results[0]['token']}*")) == []

@@ -1,8 +1,10 @@
-"""Two ranks on one machine: buckets summed through shared memory train bit for bit like torch DDP.
+"""Ranks on one machine: buckets summed through shared memory train bit for bit like torch DDP.
 
-At world size 2 DataParallelModel sums big float buckets through :mod:`mini_ddp.transport.shm` instead of
-Gloo. Here ``shared_memory_min_bytes=0`` puts *every* bucket there, and each case trains torch
-DDP (Gloo) and DataParallelModel side by side in the same two ranks, comparing every gradient
+DataParallelModel sums float buckets of CPU ranks on one machine through
+:mod:`mini_ddp.transport.shm` instead of Gloo (``shared_memory_min_bytes=0``, the default, puts
+*every* float bucket there). Each case trains torch DDP (Gloo) and DataParallelModel side by
+side in the same ranks, at world size 2 and at 3 (where the order of the additions decides
+the bits), comparing every gradient
 after every backward and every parameter and buffer after every step with ``torch.equal``.
 Each case also checks that the shared-memory path really ran (the transport's reduction
 count), so a silent fall-back to Gloo cannot pass for it.
@@ -92,9 +94,9 @@ def _all_cases(ctx) -> dict[str, list[str]]:
     return {name: _train_case(ctx, name) for name in CASES}
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, list[str]]]:
-    return run_ranks(_all_cases, 2, timeout_s=300)
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def results(request) -> list[dict[str, list[str]]]:
+    return run_ranks(_all_cases, request.param, timeout_s=300)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -61,7 +61,7 @@ def rank_main(rank: int, world_size: int, init_method: str, point: str, victim: 
         buf = transport.renew(buf)
         _die(outdir, rank, point)
     if point == "use" and dying:  # halfway through summing, both buffers mapped
-        mock.patch.object(shm, "sum_range", _then_die(shm.sum_range, outdir, rank,
+        mock.patch.object(shm, "sum_chunk", _then_die(shm.sum_chunk, outdir, rank,
                                                       point)).start()
     transport.all_reduce(buf).wait()
     Path(outdir, f"finished{rank}").touch()

@@ -396,8 +396,8 @@ class BucketLayout:
         if self.transport is not None and device.type == "cpu" and shm_supported(dtype) \
                 and nbytes >= self.config.shared_memory_min_bytes:
             try:
-                return self.transport.allocate(numel, dtype)  # collective: same on both ranks
-            except ShmAllocationError as err:  # raised on both ranks: both fall back
+                return self.transport.allocate(numel, dtype)  # collective: same on all ranks
+            except ShmAllocationError as err:  # raised on all ranks: all fall back
                 logger.warning("mini_ddp rank %d: %s; this bucket uses Gloo", self.rank, err)
         return zeros_allocator(numel, dtype, device)
 

@@ -99,10 +99,11 @@ class DataParallelConfig:
     mixed precision, which keep DDP's rules). ``False``: copy, exactly as DDP."""
 
     shared_memory_allreduce: bool = True
-    """With exactly two CPU ranks on one machine (the default group, Gloo), sum buckets of
-    float32/float64 through shared memory (:mod:`mini_ddp.transport.shm`) instead of Gloo's loopback
-    TCP: a quarter of the CPU time for large buckets. Bitwise the same: at world size 2 every
-    element is one IEEE addition, which is commutative. Off, or any other job: Gloo."""
+    """With CPU ranks that share one machine (the default group, Gloo), sum buckets of
+    float32/float64 through shared memory (:mod:`mini_ddp.transport.shm`) instead of Gloo's
+    loopback TCP: a quarter of the CPU time for large buckets. Bitwise the same: each rank adds
+    the chunk Gloo's ring would finish on it, in the ring's order (:mod:`mini_ddp.transport.shm_sum`).
+    Off, or any other job: Gloo."""
 
     shared_memory_min_bytes: int = 0
     """Buckets smaller than this stay on Gloo. 0 (the default): every float32/float64 bucket

@@ -7,7 +7,7 @@ torch's ``dist.GradBucket``), to :func:`launch_hook`, which calls the user's hoo
 copying gradients in, exactly what torch DDP does by default. torch's own hooks
 (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, PowerSGD, …) and ours
 (``mini_ddp.transport.collectives.collective_hook``) all enter here. Two reductions do not:
-with two CPU ranks on one host and no hook, big buckets are summed through shared memory
+with CPU ranks on one host and no hook, float buckets are summed through shared memory
 (:mod:`mini_ddp.transport.shm`, same bits; the reducer's ``all_reduce_bucket`` picks that
 before it reaches this door), and with ``find_unused_parameters`` the reducer all-reduces its
 used-parameter map itself, as torch's reducer does.

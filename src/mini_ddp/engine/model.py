@@ -123,7 +123,7 @@ class DataParallelModel(DistributedDataParallel):
     log a warning naming the ranks that have not reached it (None: off); ``zero_copy_write_back`` —
     opt-in (default False): ``.grad`` becomes a view of its bucket after the all-reduce instead
     of a copy of it (one gradient-sized copy less per step; its limits: docs/limitations.md);
-    ``shared_memory_allreduce`` / ``shared_memory_min_bytes`` — two CPU ranks on one machine sum
+    ``shared_memory_allreduce`` / ``shared_memory_min_bytes`` — CPU ranks on one machine sum
     buckets of at least that size through shared memory instead of Gloo (same bits);
     ``debug`` — mini_ddp's debug switch (None: ``MINI_DDP_DEBUG=1`` or
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turn it on): the classic mistakes named with their fix;
@@ -243,7 +243,7 @@ class DataParallelModel(DistributedDataParallel):
             self.broadcast_module_states(include_buffers=init_bufs, flight=flight)
         self.transport = None
         if self.config.shared_memory_allreduce and self.device_type == "cpu":
-            # Collective on the default group when it has two Gloo ranks; None otherwise.
+            # Collective on the default group when it is Gloo; None unless its ranks share a host.
             self.transport = SharedMemoryAllreduce.create(self.process_group)
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)

@@ -15,7 +15,7 @@ reader may hold that file beside this one (docs/architecture.md has the glossary
    always in bucket order, so every rank issues the same collectives in the same order.
 3. :meth:`~Reducer.all_reduce_bucket` launches it through the comm-hook door
    (:func:`mini_ddp.engine.hooks.launch_hook`, which runs a registered hook or the default
-   all-reduce) — or, for two ranks on one machine, through shared memory
+   all-reduce) — or, for CPU ranks on one machine, through shared memory
    (:mod:`mini_ddp.transport.shm`, same bits); the future is kept.
 4. When the last bucket has launched, :meth:`~Reducer.finalize_backward` is queued on the
    autograd engine. It runs when backward ends and waits for every bucket in
@@ -276,7 +276,7 @@ class Reducer(TorchReducerAPI):
         # message, extra fields of the flight recorder dump), called once a wait passes
         # sync_timeout_s. The stall monitor installs it: it asks the late ranks where they are.
         self.on_timeout: OnTimeout | None = None
-        # Two ranks on one host: big float buckets live in shared memory and are summed there.
+        # CPU ranks on one host: float buckets live in shared memory and are summed there.
         self.transport = transport
         self.use_transport = transport is not None  # off while Join runs (model.forward)
         # Zero-copy write-back: after the all-reduce, .grad becomes the bucket's view instead of

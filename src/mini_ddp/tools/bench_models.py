@@ -184,8 +184,8 @@ def _reset_peak_rss() -> bool:
 def _pss_kib() -> int | None:
     """Proportional set size: shared pages count once per process *sharing* them, split.
 
-    RSS counts a page shared by two ranks (the shared-memory all-reduce's buckets, which both
-    ranks map) in full in both; PSS is each rank's fair share of the machine's memory.
+    RSS counts a page shared by several ranks (the shared-memory all-reduce's buckets, which
+    every rank maps) in full in each; PSS is each rank's fair share of the machine's memory.
     """
     try:
         with open("/proc/self/smaps_rollup") as f:

@@ -1,35 +1,37 @@
-"""Sum all-reduce between the two ranks of a one-machine job through shared memory.
+"""Sum all-reduce between the ranks of a one-machine job through shared memory.
 
-Gloo sums over TCP even when both ranks share a host (a 76 MiB float32 all-reduce costs
+Gloo sums over TCP even when all ranks share a host (a 76 MiB float32 all-reduce costs
 50-70 ms of CPU per rank on loopback, docs/performance.md). Here each rank's bucket buffer lives
-in a memory segment the peer maps too (:mod:`mini_ddp.transport.shm_files`; which buffer is
-which slot: :mod:`mini_ddp.transport.shm_slots`), and an all-reduce is:
+in a memory segment the other ranks map too (:mod:`mini_ddp.transport.shm_files`; which buffer
+is which slot: :mod:`mini_ddp.transport.shm_slots`), and an all-reduce is:
 
-1. *ready*: a few integers each way over a Unix-domain socket between the two processes
-   (:mod:`mini_ddp.transport.shm_sync`; one round trip, tens of microseconds). It checks that
-   both ranks reduce the same slot with the same size and dtype (:class:`ShmDesyncError`
-   otherwise, on both ranks), and means both buffers hold their inputs;
-2. rank 0 sums elements ``[0, n//2)`` and rank 1 ``[n//2, n)``: each computes
-   ``mine[h] = mine[h] + peer[h]`` and writes the result into the peer's buffer as well
+1. *ready*: a few integers each way over a Unix-domain socket between every two of the
+   processes (:mod:`mini_ddp.transport.shm_sync`; one round trip, tens of microseconds). It
+   checks that all ranks reduce the same slot with the same size and dtype
+   (:class:`ShmDesyncError` otherwise, on all of them), and means every buffer holds its
+   inputs;
+2. rank ``r`` sums the chunk of elements that Gloo's ring would finish on rank ``r``, reading
+   every rank's buffer and adding in the ring's order, and writes the sums into every buffer
    (:mod:`mini_ddp.transport.shm_sum`);
-3. *done*: a second round trip. Afterwards both buffers hold the whole sum, and neither
-   rank touches the other's buffer until the next *ready*.
+3. *done*: a second round trip. Afterwards every buffer holds the whole sum, and no rank
+   touches another's buffer until the next *ready*.
 
-**Bitwise equal to Gloo.** At world size 2 every element of a SUM is a single IEEE addition,
-``fl(a + b)``, and IEEE addition is commutative, so the result is the same bits whichever rank
-computes it (``-0.0``, infinities, overflow and subnormals included). The one exception is a NaN
-on *both* ranks at the same position: which payload survives depends on the operand order.
-``tests/test_shm.py`` compares the raw bits with Gloo's result.
+**Bitwise equal to Gloo.** Which rank sums which elements, and in which order, is Gloo's
+ring's (:mod:`mini_ddp.transport.shm_sum`), so each element is the same chain of IEEE
+additions, ``-0.0``, infinities, overflow and subnormals included. The one exception is a
+NaN on several ranks at the same position: which payload survives depends on the operand
+order within one addition. ``tests/test_shm.py`` compares the raw bits with Gloo's result at
+two and three ranks.
 
 The work runs in call order on a :class:`~mini_ddp.transport.serial_worker.SerialWorker`, so
 the caller (an autograd hook) never blocks: :meth:`SharedMemoryAllreduce.all_reduce` returns a
 future like ``dist.all_reduce(..., async_op=True).get_future()``. Only that thread uses the
-socket, so its syncs never interleave with the main thread's collectives. A dead peer closes
+sockets, so its syncs never interleave with the main thread's collectives. A dead peer closes
 its end, so the next sync fails at once (a hung peer at the default group's timeout): a
 :class:`~mini_ddp.errors.CollectiveError` on the future, and every later call fails at once.
 The segments are anonymous memory files (``memfd``), never
-named in ``/dev/shm`` or anywhere else: the peer maps one through the creator's open descriptor
-(``/proc/<pid>/fd``), which is closed as soon as the peer has mapped it, and the memory goes
+named in ``/dev/shm`` or anywhere else: a peer maps one through the creator's open descriptor
+(``/proc/<pid>/fd``), which is closed as soon as every peer has mapped it, and the memory goes
 with the last mapping. So no file outlives the processes, whatever kills them and whenever —
 creation, mapping, renewal or use, under any launcher.
 """
@@ -54,13 +56,13 @@ from mini_ddp.transport.shm_files import (
     segment_name,
 )
 from mini_ddp.transport.shm_slots import SlotTable
-from mini_ddp.transport.shm_sum import shm_supported, sum_range
+from mini_ddp.transport.shm_sum import ring_chunk, shm_supported, sum_chunk
 from mini_ddp.transport.shm_sync import (
     ALL_REDUCE,
     ALLOCATE,
-    PairSync,
+    PeerSync,
     ShmDesyncError,
-    open_pair_channel,
+    open_channel,
 )
 
 __all__ = [
@@ -79,27 +81,27 @@ before it leaves the socket to the process's end."""
 
 
 class SharedMemoryAllreduce:
-    """Sum all-reduce between the two ranks of a one-machine job through shared memory.
+    """Sum all-reduce between the ranks of a one-machine job through shared memory.
 
-    Make one with :meth:`create` (a collective that returns None unless the job is two Gloo
-    ranks sharing ``/dev/shm``), get buffers from :meth:`allocate` and sum them with
-    :meth:`all_reduce`; results are bitwise equal to ``dist.all_reduce`` over Gloo. Both ranks
+    Make one with :meth:`create` (a collective that returns None unless the job is Gloo ranks
+    sharing ``/dev/shm``), get buffers from :meth:`allocate` and sum them with
+    :meth:`all_reduce`; results are bitwise equal to ``dist.all_reduce`` over Gloo. All ranks
     must make the same calls in the same order. :meth:`close` it when done.
 
     ``token`` is the random part of this transport's segment labels (``FILE_PREFIX + token``,
     seen in ``/proc/<pid>/maps``). The constructor is internal: use :meth:`create`.
     """
 
-    def __init__(self, channel: PairSync, rank: int, token: str, peer_pid: int):
+    def __init__(self, channel: PeerSync, rank: int, token: str, peer_pids: dict[int, int]):
         self.rank = rank
-        self.peer = 1 - rank
+        self.world_size = len(peer_pids) + 1
         self.token = token
         self._sync = channel
         self._next_slot = 0
         self._table = SlotTable()  # buffers, peer mappings, generations (shm_slots)
         self._closed = False
         self._lock = threading.Lock()  # guards _closed against concurrent submit/close
-        # An allocation failure is agreed on both ranks and leaves the transport usable;
+        # An allocation failure is agreed on all ranks and leaves the transport usable;
         # any other failure leaves the ranks out of step, so later calls fail at once.
         self._worker = SerialWorker(
             f"mini_ddp-shm-{token}",
@@ -114,24 +116,24 @@ class SharedMemoryAllreduce:
         """A transport for the default group, or None on every rank when it cannot work.
 
         Collective: every rank of the default group must call it, and all get the same answer
-        (:func:`~mini_ddp.transport.shm_sync.open_pair_channel` says when a transport works).
+        (:func:`~mini_ddp.transport.shm_sync.open_channel` says when a transport works).
         """
-        opened = open_pair_channel(group)
+        opened = open_channel(group)
         return None if opened is None else cls(*opened)
 
     # ----------------------------------------------------------------------------- public API
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled 1-D CPU tensor of ``numel`` elements that the peer rank maps too.
+        """A zero-filled 1-D CPU tensor of ``numel`` elements that the other ranks map too.
 
-        Collective on the transport's group: both ranks call it in the same order with the
-        same arguments (otherwise :class:`ShmDesyncError` on both, and the transport is
+        Collective on the transport's group: all ranks call it in the same order with the
+        same arguments (otherwise :class:`ShmDesyncError` on all, and the transport is
         unusable). It runs on the worker thread, after any queued all-reduces, and blocks
         until done. The segment has no name anywhere (see the module docstring); the memory is
         released when the caller drops the tensor after :meth:`free` (or :meth:`close`). Any
         dtype is accepted, but :meth:`all_reduce` sums only float32 and float64
         (:func:`shm_supported`). ``numel`` 0 gives an empty tensor without a segment.
 
-        Raises :class:`ShmAllocationError` on both ranks when either cannot create or map its
+        Raises :class:`ShmAllocationError` on all ranks when any cannot create or map a
         segment (e.g. memory is exhausted); the transport stays usable.
         """
         if not isinstance(numel, int) or numel < 0:
@@ -150,15 +152,15 @@ class SharedMemoryAllreduce:
         return own
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Sum ``tensor`` with the peer's buffer of the same slot, asynchronously.
+        """Sum ``tensor`` with the other ranks' buffers of the same slot, asynchronously.
 
         ``tensor`` must be a buffer returned by this transport's :meth:`allocate` (the object
         itself, not a view or copy; ValueError otherwise) of a dtype that
-        :func:`shm_supported`. Reductions run in call order; both ranks must reduce the same
+        :func:`shm_supported`. Reductions run in call order; all ranks must reduce the same
         buffers in the same order. The future's value is ``[tensor]``, like
-        ``dist.all_reduce(..., async_op=True).get_future()``; neither rank may write the buffer
+        ``dist.all_reduce(..., async_op=True).get_future()``; no rank may write the buffer
         until it completes. Failures are set on the future: :class:`ShmDesyncError`, or
-        :class:`~mini_ddp.errors.CollectiveError` when the peer died or hung; after either,
+        :class:`~mini_ddp.errors.CollectiveError` when a peer died or hung; after either,
         every later call fails at once.
         """
         self._check_open("all_reduce")
@@ -179,9 +181,9 @@ class SharedMemoryAllreduce:
         """Give the slot of ``tensor`` a fresh zero-filled buffer; return it. Local, no sync.
 
         For a caller that cannot overwrite the old buffer (someone still looks into it): the
-        old tensor stays valid and becomes an ordinary tensor, no longer reduced. The peer
-        learns of the new buffer at the next ready sync of the slot (each rank announces its
-        buffer's generation and descriptor there) and maps it then; this rank's descriptor is
+        old tensor stays valid and becomes an ordinary tensor, no longer reduced. The peers
+        learn of the new buffer at the next ready sync of the slot (each rank announces its
+        buffer's generation and descriptor there) and map it then; this rank's descriptor is
         closed after that reduction's done sync. Call it only while no reduction of the slot is
         in flight.
         """
@@ -199,7 +201,7 @@ class SharedMemoryAllreduce:
         return fresh.tensor
 
     def free(self, tensor: torch.Tensor) -> None:
-        """Forget the buffer ``tensor`` (from :meth:`allocate`) and its mapping of the peer's.
+        """Forget the buffer ``tensor`` (from :meth:`allocate`) and its mappings of the peers'.
 
         Local, no communication. The memory is released once the caller drops its own
         references and any all-reduce of it still queued has finished. ValueError if
@@ -216,7 +218,7 @@ class SharedMemoryAllreduce:
         Later calls of :meth:`allocate` and :meth:`all_reduce` raise :class:`ShmError`.
         ``wait=False`` does not wait for the worker (it may be stuck on a dead peer): for
         finalizers, which must not block; it gives queued work half a second to finish before
-        it closes the socket (otherwise the socket goes with the process).
+        it closes the sockets (otherwise they go with the process).
         """
         with self._lock:
             if self._closed:
@@ -225,7 +227,7 @@ class SharedMemoryAllreduce:
             drained = self._worker.submit(lambda: None)  # done once the queued work is
             self._worker.stop(wait)
         self._table.clear()
-        # The socket is closed here, on the caller's thread, once the worker is done with it —
+        # The sockets are closed here, on the caller's thread, once the worker is done with it —
         # not while the worker may still be blocked in it (then it goes with the process).
         deadline = time.monotonic() + _RELEASE_WAIT_S
         while not drained.done() and time.monotonic() < deadline:
@@ -245,32 +247,37 @@ class SharedMemoryAllreduce:
     def _allocate(self, slot: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         self._sync.ready(ALLOCATE, slot, numel, dtype, self._table.own_gen.get(slot, 0))
         if numel == 0:
-            own, peer = torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=dtype)
+            own = torch.zeros(0, dtype=dtype)
+            peers = {peer: torch.zeros(0, dtype=dtype) for peer in self._sync.peers}
         else:
-            own, peer = self._sync.map_pair(self.token, slot, numel, dtype)
-        self._table.add(slot, own, peer)
+            own, peers = self._sync.map_all(self.token, slot, numel, dtype)
+        self._table.add(slot, own, peers)
         return [own]
 
     def _reduce(self, slot: int, own: torch.Tensor) -> list[torch.Tensor]:
         n = own.numel()
         table = self._table
-        peer_gen, peer_fd = self._sync.ready(ALL_REDUCE, slot, n, own.dtype,
-                                             table.own_gen.get(slot, 0), table.unmapped_fd(slot))
-        lo, hi = (0, n // 2) if self.rank == 0 else (n // 2, n)
+        announced = self._sync.ready(ALL_REDUCE, slot, n, own.dtype, table.own_gen.get(slot, 0),
+                                     table.unmapped_fd(slot))
+        lo, hi = ring_chunk(n, own.element_size(), self.world_size, self.rank)
         ok = False
         try:
-            if peer_gen != table.peer_gen.get(slot, 0):  # the peer renewed its buffer: map it
-                table.peer[slot] = self._sync.open_peer(self.token, slot, peer_gen, peer_fd, n,
+            mapped, gens = table.peers[slot], table.peer_gen[slot]
+            for peer, (gen, fd) in announced.items():
+                if gen != gens.get(peer, 0):  # the peer renewed its buffer: map the new one
+                    mapped[peer] = self._sync.open_peer(self.token, peer, slot, gen, fd, n,
                                                         own.dtype)
-                table.peer_gen[slot] = peer_gen
-            sum_range(own, table.peer[slot], lo, hi)
+                    gens[peer] = gen
+            buffers = [own if r == self.rank else mapped[r] for r in range(self.world_size)]
+            sum_chunk(buffers, self.rank, lo, hi)
+            del buffers
             ok = True
         finally:
-            # Join the done sync even if the sum failed, so the peer does not wait for us.
-            both = self._sync.agree(f"all_reduce of slot {slot}, done sync", ok)
-            with self._lock:  # the peer mapped it before its done sync (or gave up)
+            # Join the done sync even if the sum failed, so the peers do not wait for us.
+            failed = self._sync.dissenters(f"all_reduce of slot {slot}, done sync", ok)
+            with self._lock:  # the peers mapped it before their done sync (or gave up)
                 table.drop_unmapped(slot)
-        if not both:
-            raise ShmError(f"mini_ddp: rank {self.rank}: rank {self.peer} failed to sum its half "
-                           f"of slot {slot}")
+        if failed:
+            raise ShmError(f"mini_ddp: rank {self.rank}: rank {failed[0]} failed to sum its "
+                           f"chunk of slot {slot} (its own error says why)")
         return [own]

@@ -1,12 +1,12 @@
-"""Shared-memory segments: anonymous memory files that two processes map as one tensor.
+"""Shared-memory segments: anonymous memory files that several processes map as one tensor.
 
 The memory half of :mod:`mini_ddp.transport.shm` (which holds the all-reduce protocol).
 A segment is a ``memfd`` (``os.memfd_create``): a file in memory with no name in any
 directory, so nothing can be left behind in ``/dev/shm`` (``SHM_DIR``) or anywhere else,
 whatever kills the processes and whenever — the kernel frees the memory once the last
-mapping and descriptor are gone. The peer maps it by opening the creator's descriptor
+mapping and descriptor are gone. A peer maps it by opening the creator's descriptor
 through ``/proc/<pid>/fd/<fd>`` while the creator holds it open (the transport closes it once
-the peer has mapped it). Each segment is labelled ``mini_ddp_shm_<token>_r<rank>_s<slot>``
+the peers have mapped it). Each segment is labelled ``mini_ddp_shm_<token>_r<rank>_s<slot>``
 (plus ``_g<generation>`` for a renewed buffer), the token drawn per transport; the label shows
 in ``/proc/<pid>/maps`` and is checked before the peer maps a descriptor, so a reused pid or
 descriptor number cannot hand it the wrong memory. Space is reserved with ``posix_fallocate``:

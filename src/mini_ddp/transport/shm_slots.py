@@ -1,10 +1,11 @@
-"""The shared-memory transport's slot table: which buffer is which slot, on both sides.
+"""The shared-memory transport's slot table: which buffer is which slot, on every rank.
 
 Every buffer :meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.allocate` hands out is a
-*slot*: this rank's tensor, its mapping of the peer's tensor, and — after
-:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.renew` — each side's generation and the
-descriptor of the renewed segment the peer has not mapped yet. Buffers are known by identity (the tensor object
-itself), never by value. The table does no locking and no communication: the transport does.
+*slot*: this rank's tensor, its mappings of the peers' tensors, and — after
+:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.renew` — each rank's generation and the
+descriptor of the renewed segment the peers have not mapped yet. Buffers are known by
+identity (the tensor object itself), never by value. The table does no locking and no
+communication: the transport does.
 """
 
 from __future__ import annotations
@@ -17,23 +18,24 @@ from mini_ddp.transport.shm_files import close_quietly
 
 
 class SlotTable:
-    """Slots by buffer identity, with each side's tensor and generation."""
+    """Slots by buffer identity, with each rank's tensor and generation."""
 
     def __init__(self) -> None:
         self.by_id: dict[int, int] = {}  # id(own buffer) -> slot
         self.own: dict[int, torch.Tensor] = {}
-        self.peer: dict[int, torch.Tensor] = {}
-        # renew(): a slot's generation on each side, and the descriptors of our renewed
-        # segments the peer has not mapped yet (closed after the next done sync of that slot,
-        # when it has).
+        self.peers: dict[int, dict[int, torch.Tensor]] = {}  # slot -> {peer rank: mapping}
+        # renew(): a slot's generation on each rank, and the descriptors of our renewed
+        # segments the peers have not mapped yet (closed after the next done sync of that
+        # slot, when they have).
         self.own_gen: dict[int, int] = {}
-        self.peer_gen: dict[int, int] = {}
+        self.peer_gen: dict[int, dict[int, int]] = {}  # slot -> {peer rank: generation}
         self.unmapped: dict[int, int] = {}
 
-    def add(self, slot: int, own: torch.Tensor, peer: torch.Tensor) -> None:
-        """A freshly allocated slot: ``own`` (ours) and ``peer`` (our mapping of theirs)."""
+    def add(self, slot: int, own: torch.Tensor, peers: dict[int, torch.Tensor]) -> None:
+        """A freshly allocated slot: ``own`` (ours) and ``peers`` (our mappings of theirs)."""
         self.by_id[id(own)] = slot
-        self.own[slot], self.peer[slot] = own, peer
+        self.own[slot], self.peers[slot] = own, dict(peers)
+        self.peer_gen[slot] = {}
 
     def live_slot(self, tensor: Any) -> int | None:
         """The slot whose own buffer is ``tensor`` itself, or None."""
@@ -64,11 +66,11 @@ class SlotTable:
         self.own[slot], self.own_gen[slot], self.unmapped[slot] = fresh, gen, fd
 
     def forget(self, tensor: torch.Tensor, slot: int) -> None:
-        """Drop ``slot`` (whose buffer is ``tensor``) and our mapping of the peer's."""
-        del self.by_id[id(tensor)], self.own[slot], self.peer[slot]
+        """Drop ``slot`` (whose buffer is ``tensor``) and our mappings of the peers'."""
+        del self.by_id[id(tensor)], self.own[slot], self.peers[slot], self.peer_gen[slot]
 
     def unmapped_fd(self, slot: int) -> int:
-        """The descriptor of ``slot``'s renewed segment the peer has yet to map (-1: none)."""
+        """The descriptor of ``slot``'s renewed segment the peers have yet to map (-1: none)."""
         return self.unmapped.get(slot, -1)
 
     def drop_unmapped(self, slot: int) -> None:
@@ -79,7 +81,8 @@ class SlotTable:
         """Forget every buffer and close every renewed segment's descriptor."""
         self.by_id.clear()
         self.own.clear()
-        self.peer.clear()
+        self.peers.clear()
+        self.peer_gen.clear()
         for fd in self.unmapped.values():
             close_quietly(fd)
         self.unmapped.clear()

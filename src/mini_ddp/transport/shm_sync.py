@@ -1,10 +1,10 @@
-"""The shared-memory all-reduce's handshakes: a few integers each way over a private socket.
+"""The shared-memory all-reduce's handshakes: a few integers each way over private sockets.
 
-:func:`open_pair_channel` decides, collectively, whether the transport can work at all (two
-Gloo ranks that see the same ``/dev/shm``) and connects the two processes by a Unix-domain
-socket; :class:`PairSync` runs the *ready* check (both ranks at the same call:
-:class:`ShmDesyncError` on both otherwise) and the *agree* votes around each allocation and
-sum, and exchanges the descriptors through which each rank maps the other's segments
+:func:`open_channel` decides, collectively, whether the transport can work at all (Gloo ranks
+that see the same ``/dev/shm``) and connects every two of the processes by a Unix-domain
+socket; :class:`PeerSync` runs the *ready* check (all ranks at the same call:
+:class:`ShmDesyncError` on all otherwise) and the *agree* votes around each allocation and
+sum, and exchanges the descriptors through which each rank maps the others' segments
 (:mod:`mini_ddp.transport.shm_files`). Socket failures (a closed connection, the timeout)
 become :class:`~mini_ddp.errors.CollectiveError`.
 """
@@ -47,7 +47,7 @@ _DTYPES: tuple[torch.dtype, ...] = (
 
 
 class ShmDesyncError(ShmError):
-    """The two ranks asked the transport for different things at the same point.
+    """The ranks asked the transport for different things at the same point.
 
     ``ranks`` maps each rank to ``(operation, slot, numel, dtype)`` as that rank called it.
     """
@@ -58,7 +58,7 @@ class ShmDesyncError(ShmError):
                          for r, (op, slot, numel, dtype) in sorted(ranks.items()))
         super().__init__(
             f"mini_ddp: rank {rank}: the shared-memory all-reduce is out of step: {told}. "
-            "Both ranks must allocate their buffers, and reduce them, in the same order with the "
+            "All ranks must allocate their buffers, and reduce them, in the same order with the "
             "same sizes and dtypes. Nothing was summed, and this transport cannot be used any "
             "more.")
 
@@ -88,7 +88,8 @@ def _peer_pid(sock: socket.socket) -> int:
 
 
 def _connect(address: str, server_pid: int, timeout_s: float) -> socket.socket | None:
-    """Rank 1's end: connected to ``address`` if the process listening there is rank 0."""
+    """The connecting end: connected to ``address`` if the process listening there is
+    ``server_pid``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout_s)
@@ -101,85 +102,116 @@ def _connect(address: str, server_pid: int, timeout_s: float) -> socket.socket |
     return None
 
 
-def _accept(listener: socket.socket, client_pid: int, timeout_s: float) -> socket.socket | None:
-    """Rank 0's end: the connection from rank 1 (queued already), refusing any other process."""
+def _accept(listener: socket.socket, client_pids: Sequence[int], timeout_s: float
+            ) -> dict[int, socket.socket] | None:
+    """The listening end: one connection from each of ``client_pids`` (queued already), by pid,
+    refusing any other process; None if one is missing."""
     deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
+    wanted, socks = set(client_pids), {}
+    while wanted and (left := deadline - time.monotonic()) > 0:
         listener.settimeout(left)
         try:
             sock, _ = listener.accept()
         except OSError:
-            return None
+            break
         try:
-            if _peer_pid(sock) == client_pid:
-                return sock
+            pid = _peer_pid(sock)
         except OSError:
-            pass
-        sock.close()  # another process found the address first: not our peer
-    return None
+            pid = -1
+        if pid in wanted:
+            wanted.discard(pid)
+            socks[pid] = sock
+        else:
+            sock.close()  # another process found the address first: not one of ours
+    if wanted:
+        for sock in socks.values():
+            sock.close()
+        return None
+    return socks
 
 
-def open_pair_channel(group: dist.ProcessGroup | None) -> tuple[PairSync, int, str, int] | None:
-    """``(channel, rank, token, peer pid)`` for a transport, or None on every rank.
+def _address(nonce: int) -> str:
+    """The abstract Unix-socket address a rank listens on (no file to leave behind)."""
+    return f"\0{FILE_PREFIX}{nonce:016x}"
+
+
+def open_channel(group: dist.ProcessGroup | None
+                 ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
+    """``(channel, rank, token, {peer rank: pid})`` for a transport, or None on every rank.
 
     Collective on the default group, the same answer on all ranks: a transport only if
-    ``group`` is None or the default group, the default group is Gloo with exactly 2 ranks, and
-    a probe shows that each rank can map the other's segments (rank 0 puts a random secret in
-    a memory file, rank 1 reads it back through ``/proc/<pid>/fd``: same machine, same pid
-    namespace, access allowed). The channel is a Unix-domain socket between the two processes
-    (an abstract address, so no file; each end checks the other's pid with ``SO_PEERCRED``),
-    with the default group's timeout. Every check is agreed with an all-reduce MIN.
+    ``group`` is None or the default group, the default group is Gloo with 2 ranks or more, and
+    a probe shows that every rank can map rank 0's segments (rank 0 puts a random secret in a
+    memory file, the others read it back through ``/proc/<pid>/fd``: same machine, same pid
+    namespace, access allowed). The channel is a Unix-domain socket between every two of the
+    processes (abstract addresses, so no file; each end checks the other's pid with
+    ``SO_PEERCRED``), with the default group's timeout. Every check is agreed with an
+    all-reduce MIN.
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
     # Equal on every rank by construction, so no collective is needed to agree on these.
-    if dist.get_world_size() != 2 or dist.get_backend() != "gloo":
+    world = dist.get_world_size()
+    if world < 2 or dist.get_backend() != "gloo":
         return None
     rank = dist.get_rank()
     wanted = group is None or group is dist.group.WORLD
-    # What rank 0 tells rank 1 and the two pids, in one all-reduce SUM (each rank fills its
-    # own fields): [token, secret, secret, probe fd, pid of rank 0, pid of rank 1].
-    shared = torch.zeros(6, dtype=torch.int64)
+    # What each rank tells the others, in one all-reduce SUM (each fills its own fields):
+    # [token, secret, secret, probe fd (rank 0), pid of each rank..., listening nonce of each].
+    shared = torch.zeros(4 + 2 * world, dtype=torch.int64)
     timeout_s = _default_timeout().total_seconds()
-    fd, listener, sock = -1, None, None
+    fd, listener, socks = -1, None, {}
     try:
+        nonce = secrets.randbits(63)
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(_address(nonce))
+            listener.listen(world)
+        except OSError:
+            nonce = 0  # no listener: the vote below says no
         if rank == 0:
             shared[:3] = torch.tensor([secrets.randbits(63) for _ in range(3)])
             token, secret = _token_and_secret(shared)
             try:
                 fd = create_probe(f"{FILE_PREFIX}{token}_probe", secret)
-                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                listener.bind(f"\0{FILE_PREFIX}{token}")  # abstract: no file to leave behind
-                listener.listen(1)
             except (OSError, AttributeError):  # AttributeError: no memfd_create (not Linux)
-                close_quietly(fd)
                 fd = -1
             shared[3] = fd
         shared[4 + rank] = os.getpid()
+        shared[4 + world + rank] = nonce
         dist.all_reduce(shared)
         token, secret = _token_and_secret(shared)
-        probe_fd, pids = int(shared[3]), [int(shared[4]), int(shared[5])]
-        ok = wanted and probe_fd >= 0
-        if ok and rank == 1:
+        probe_fd = int(shared[3])
+        pids = [int(p) for p in shared[4:4 + world]]
+        nonces = [int(n) for n in shared[4 + world:]]
+        ok = wanted and probe_fd >= 0 and all(nonces)
+        if ok and rank > 0:
             try:
                 ok = read_probe(pids[0], probe_fd, f"{FILE_PREFIX}{token}_probe") == secret
             except OSError:
                 ok = False
-            # Before the vote, so that rank 0's accept below finds the connection queued.
-            sock = _connect(f"\0{FILE_PREFIX}{token}", pids[0], timeout_s) if ok else None
-            ok = sock is not None
-        if _agreed(ok) and rank == 0:
-            sock = _accept(listener, pids[1], timeout_s)
-        if not _agreed(sock is not None):
+        # Before the vote, so that each lower rank's accept below finds the connections
+        # queued: every rank connects to the ranks below it.
+        for lower in range(rank if ok else 0):
+            sock = _connect(_address(nonces[lower]), pids[lower], timeout_s)
+            if sock is None:
+                ok = False
+                break
+            socks[lower] = sock
+        if _agreed(ok) and rank < world - 1:
+            accepted = _accept(listener, pids[rank + 1:], timeout_s)
+            if accepted is not None:
+                socks.update({pids.index(pid): sock for pid, sock in accepted.items()})
+        if not _agreed(len(socks) == world - 1):
             return None
-        peer_pid = pids[1 - rank]
-        channel, sock = PairSync(sock, rank, peer_pid, timeout_s), None
-        return channel, rank, token, peer_pid
+        peer_pids = {r: pids[r] for r in range(world) if r != rank}
+        channel, socks = PeerSync(socks, rank, peer_pids, timeout_s), {}
+        return channel, rank, token, peer_pids
     finally:
         close_quietly(fd)
         if listener is not None:
             listener.close()
-        if sock is not None:  # not handed to a channel
+        for sock in socks.values():  # not handed to a channel
             sock.close()
 
 
@@ -203,116 +235,128 @@ def _token_and_secret(shared: torch.Tensor) -> tuple[str, bytes]:
 
 
 def _agreed(ok: bool) -> bool:
-    """Whether ``ok`` holds on both ranks (an all-reduce MIN on the default group)."""
+    """Whether ``ok`` holds on every rank (an all-reduce MIN on the default group)."""
     flag = torch.tensor([int(ok)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
-class PairSync:
-    """The ready check and the votes of one transport, over its socket to the peer.
+class PeerSync:
+    """The ready check and the votes of one transport, over its sockets to every peer.
 
-    Every sync is one :meth:`exchange`: each rank sends a few integers and receives the
-    peer's (one round trip of a Unix-domain socket, tens of microseconds, where a Gloo
+    Every sync is one :meth:`exchange`: each rank sends a few integers to every peer and
+    receives theirs (a round trip of a Unix-domain socket, tens of microseconds, where a Gloo
     collective costs hundreds). A dead peer closes its end, so a waiting rank fails at once; a
     hung one fails at the default group's timeout.
     """
 
-    def __init__(self, sock: socket.socket, rank: int, peer_pid: int, timeout_s: float):
-        self.sock: socket.socket | None = sock
-        self.rank, self.peer = rank, 1 - rank
-        self.peer_pid = peer_pid
+    def __init__(self, socks: dict[int, socket.socket], rank: int, peer_pids: dict[int, int],
+                 timeout_s: float):
+        self.socks: dict[int, socket.socket] | None = dict(sorted(socks.items()))
+        self.rank = rank
+        self.peers = tuple(sorted(socks))
+        self.peer_pids = peer_pids
         self.timeout_s = timeout_s
-        sock.settimeout(timeout_s)
+        for sock in socks.values():
+            sock.settimeout(timeout_s)
 
     def release(self) -> None:
-        """Close the socket (the peer's next exchange fails at once). Local; idempotent."""
-        sock, self.sock = self.sock, None
-        if sock is not None:
+        """Close the sockets (the peers' next exchange fails at once). Local; idempotent."""
+        socks, self.socks = self.socks, None
+        for sock in (socks or {}).values():
             sock.close()
 
-    def exchange(self, what: str, values: Sequence[int]) -> tuple[int, ...]:
-        """Send ``values`` to the peer and return the peer's (as many); a closed connection or
-        the timeout becomes :class:`~mini_ddp.errors.CollectiveError` naming ``what``."""
+    def exchange(self, what: str, values: Sequence[int]) -> dict[int, tuple[int, ...]]:
+        """Send ``values`` to every peer and return each peer's (as many), by rank; a closed
+        connection or the timeout becomes :class:`~mini_ddp.errors.CollectiveError` naming
+        ``what``."""
         mine = struct.pack(f"<{len(values)}q", *values)
-        theirs = bytearray(len(mine))
+        theirs = {peer: bytearray(len(mine)) for peer in self.peers}
         failure = self._swap(mine, theirs)
         if failure is not None:
             raise CollectiveError(self.rank, f"the shared-memory all-reduce ({what})",
                                   failure) from failure
-        return struct.unpack(f"<{len(values)}q", theirs)
+        return {peer: struct.unpack(f"<{len(values)}q", got) for peer, got in theirs.items()}
 
-    def _swap(self, mine: bytes, theirs: bytearray) -> OSError | None:
-        """Send ``mine``, fill ``theirs`` from the peer; None, or what went wrong, in words
-        :class:`~mini_ddp.errors.CollectiveError` reads right (a timeout as a hang, a closed
-        connection in Gloo's words for it)."""
-        sock = self.sock
-        if sock is None:
-            return ConnectionError("the transport's connection was closed on this rank")
+    def _swap(self, mine: bytes, theirs: dict[int, bytearray]) -> OSError | None:
+        """Send ``mine`` to every peer, fill ``theirs`` from each; None, or what went wrong, in
+        words :class:`~mini_ddp.errors.CollectiveError` reads right (a timeout as a hang, a
+        closed connection in Gloo's words for it)."""
+        socks = self.socks
+        if socks is None:
+            return ConnectionError("the transport's connections were closed on this rank")
+        peer = self.peers[0]
         try:
-            sock.sendall(mine)
-            view, received = memoryview(theirs), 0
-            while received < len(theirs):
-                n = sock.recv_into(view[received:])
-                if n == 0:
-                    self._let_peer_exit()
-                    return ConnectionResetError(f"Connection closed by peer: rank {self.peer} "
-                                                "exited or was killed")
-                received += n
+            for peer in self.peers:  # a few bytes: never blocks
+                socks[peer].sendall(mine)
+            for peer, sock in socks.items():
+                view, received = memoryview(theirs[peer]), 0
+                while received < len(view):
+                    n = sock.recv_into(view[received:])
+                    if n == 0:
+                        self._let_peer_exit(peer)
+                        return ConnectionResetError(f"Connection closed by peer: rank {peer} "
+                                                    "exited or was killed")
+                    received += n
         except TimeoutError:
-            return TimeoutError(f"timed out after {self.timeout_s:.0f} s waiting for rank "
-                                f"{self.peer}")
+            return TimeoutError(f"timed out after {self.timeout_s:.0f} s waiting for rank {peer}")
         except (ConnectionResetError, BrokenPipeError) as err:
-            return ConnectionResetError(f"Connection closed by peer: rank {self.peer} exited "
-                                        f"or was killed ({err})")
+            return ConnectionResetError(f"Connection closed by peer: rank {peer} exited or was "
+                                        f"killed ({err})")
         except OSError as err:
             return err
         return None
 
-    def _let_peer_exit(self) -> None:
-        """The peer closed its end while its process still runs: most often its model was
+    def _let_peer_exit(self, peer: int) -> None:
+        """``peer`` closed its end while its process still runs: most often its model was
         dropped as its script ends. Give that process up to :data:`_PEER_EXIT_S` to end, so that
         the finish mark it leaves at exit ("finished", not "died") is in the store when this
         rank's error reads it; a killed peer is gone already and costs nothing here."""
         deadline = time.monotonic() + _PEER_EXIT_S
-        while _running(self.peer_pid) and time.monotonic() < deadline:
+        while _running(self.peer_pids[peer]) and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def ready(self, op: int, slot: int, numel: int, dtype: torch.dtype, gen: int,
-              fd: int = -1) -> tuple[int, int]:
-        """Both ranks are at the same call: raise ShmDesyncError (on both) if they are not.
+              fd: int = -1) -> dict[int, tuple[int, int]]:
+        """Every rank is at the same call: raise ShmDesyncError (on all) if they are not.
 
         Also exchanges the slot's buffer generation ``gen`` (bumped by the transport's
-        ``renew``) and the descriptor ``fd`` of a renewed buffer the peer has not mapped yet;
-        returns the peer's ``(gen, fd)``.
+        ``renew``) and the descriptor ``fd`` of a renewed buffer the peers have not mapped yet;
+        returns each peer's ``(gen, fd)`` by rank.
         """
         mine = (op, slot, numel, _dtype_code(dtype), gen, fd)
         theirs = self.exchange(f"{_OPS[op]} of slot {slot}, ready sync", mine)
-        if mine[:4] != theirs[:4]:
+        if any(row[:4] != mine[:4] for row in theirs.values()):
+            rows = {self.rank: mine, **theirs}
             told = {r: (_OPS.get(row[0], "?"), row[1], row[2], _dtype_name(row[3]))
-                    for r, row in ((self.rank, mine), (self.peer, theirs))}
+                    for r, row in rows.items()}
             raise ShmDesyncError(self.rank, told)
-        return theirs[4], theirs[5]
+        return {peer: (row[4], row[5]) for peer, row in theirs.items()}
 
-    def open_peer(self, token: str, slot: int, gen: int, fd: int, numel: int,
+    def open_peer(self, token: str, peer: int, slot: int, gen: int, fd: int, numel: int,
                   dtype: torch.dtype) -> torch.Tensor:
-        """Map the peer's buffer of ``slot`` (generation ``gen``, its descriptor ``fd``)."""
-        return open_segment(self.peer_pid, fd, segment_name(token, self.peer, slot, gen),
+        """Map ``peer``'s buffer of ``slot`` (generation ``gen``, its descriptor ``fd``)."""
+        return open_segment(self.peer_pids[peer], fd, segment_name(token, peer, slot, gen),
                             numel, dtype)
 
     def agree(self, what: str, ok: bool) -> bool:
-        """Whether ``ok`` holds on both ranks."""
-        theirs = self.exchange(what, (int(ok),))[0]  # always: the peer waits for our vote
-        return bool(ok) and bool(theirs)
+        """Whether ``ok`` holds on every rank."""
+        return bool(ok) and not self.dissenters(what, ok)
 
-    def map_pair(self, token: str, slot: int, numel: int, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Create this rank's segment for ``slot`` and map the peer's: ``(own, peer)`` tensors.
+    def dissenters(self, what: str, ok: bool) -> list[int]:
+        """Vote ``ok``; the peers whose vote was no, lowest rank first."""
+        theirs = self.exchange(what, (int(ok),))  # always: the peers wait for our vote
+        return [peer for peer, row in theirs.items() if not row[0]]
 
-        Both ranks vote after each half, so a failure on either raises
-        :class:`ShmAllocationError` on both. The segments have no names, so a rank killed at
+    def map_all(self, token: str, slot: int, numel: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Create this rank's segment for ``slot`` and map every peer's: ``(own, {peer:
+        tensor})``.
+
+        All ranks vote after each half, so a failure on any raises
+        :class:`ShmAllocationError` on all. The segments have no names, so a rank killed at
         any point leaves nothing behind; this rank's descriptor is closed when this returns
-        (after the peer has mapped it, or given up).
+        (after the peers have mapped it, or given up).
         """
         mine = segment_name(token, self.rank, slot)
         what = f"allocate of slot {slot}"
@@ -323,24 +367,29 @@ class PairSync:
                 segment = create_segment(mine, numel, dtype)
             except OSError as err:
                 problem = f"rank {self.rank} could not create {mine}: {err}"
-            peer_ok, peer_fd = self.exchange(f"{what}, segments created",
-                                             (int(not problem),
-                                              -1 if segment is None else segment.fd))
-            if problem or not peer_ok:
-                problem = problem or f"rank {self.peer} could not create its segment"
+            rows = self.exchange(f"{what}, segments created",
+                                 (int(not problem), -1 if segment is None else segment.fd))
+            failed = [peer for peer, (peer_ok, _) in rows.items() if not peer_ok]
+            if problem or failed:
+                problem = problem or f"rank {failed[0]} could not create its segment"
                 raise ShmAllocationError(
                     f"mini_ddp: {problem} ({numel} elements of {dtype} for slot {slot}); "
                     "memory may be exhausted")
-            try:
-                peer = self.open_peer(token, slot, 0, peer_fd, numel, dtype)
-            except OSError as err:
-                problem = f"rank {self.rank} could not map the segment of rank {self.peer}: {err}"
-            # After this sync the peer has mapped my segment (or given up): my descriptor can go.
+            peers = {}
+            for peer, (_, peer_fd) in rows.items():
+                try:
+                    peers[peer] = self.open_peer(token, peer, slot, 0, peer_fd, numel, dtype)
+                except OSError as err:
+                    problem = (f"rank {self.rank} could not map the segment of rank {peer}: "
+                               f"{err}")
+                    break
+            # After this sync the peers have mapped my segment (or given up): my descriptor
+            # can go.
             if not self.agree(f"{what}, segments mapped", not problem):
-                problem = problem or (f"rank {self.peer} could not map the segment of rank "
+                problem = problem or (f"another rank could not map the segment of rank "
                                       f"{self.rank}")
                 raise ShmAllocationError(f"mini_ddp: {problem} (slot {slot})")
-            return segment.tensor, peer
+            return segment.tensor, peers
         finally:
             if segment is not None:
                 close_quietly(segment.fd)
