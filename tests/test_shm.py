@@ -266,20 +266,25 @@ def _dead_peer(ctx, outdir: str) -> None:
     buf.fill_(1.0)
     first = _outcome(shm.all_reduce(buf).wait)
     second = _outcome(shm.all_reduce(buf).wait)
-    Path(outdir, "rank0.json").write_text(json.dumps({"first": first, "second": second}))
+    Path(outdir, f"rank{ctx.rank}.json").write_text(json.dumps({"first": first,
+                                                                "second": second}))
 
 
-def test_dead_peer_fails_the_future_in_bounded_time(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dead_peer_fails_the_future_in_bounded_time(tmp_path: Path, world_size: int) -> None:
     with pytest.raises(RanksFailed) as failed:
-        run_ranks(_dead_peer, 2, args=(str(tmp_path),), timeout_s=60, collective_timeout_s=20)
+        run_ranks(_dead_peer, world_size, args=(str(tmp_path),), timeout_s=60,
+                  collective_timeout_s=20)
     assert set(failed.value.failures) == {1}, failed.value.failures
-    report = json.loads(Path(tmp_path, "rank0.json").read_text())
-    kind, message, seconds = report["first"]
-    assert kind == "CollectiveError" and "shared-memory all-reduce" in message, message
-    assert seconds < 30, seconds
-    kind, message, seconds = report["second"]
-    assert kind == "ShmError" and "failed earlier" in message, message
-    assert seconds < 30, seconds
+    for survivor in set(range(world_size)) - {1}:
+        report = json.loads(Path(tmp_path, f"rank{survivor}.json").read_text())
+        kind, message, seconds = report["first"]
+        assert kind == "CollectiveError" and "shared-memory all-reduce" in message, message
+        assert "rank 1 exited or was killed" in message, message
+        assert seconds < 30, seconds
+        kind, message, seconds = report["second"]
+        assert kind == "ShmError" and "failed earlier" in message, message
+        assert seconds < 30, seconds
     token = Path(tmp_path, "token0").read_text()
     assert glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{token}*")) == []
 

@@ -11,9 +11,8 @@ to what it received, so every element of chunk ``c`` is
 
 with ``x[r]`` rank ``r``'s value. :func:`ring_chunk` gives a rank its chunk and
 :func:`sum_chunk` computes it in exactly that order, so the bits are Gloo's at every world
-size (float addition is not associative: at three ranks ``(a + b) + c`` differs from
-``a + (b + c)`` in about one element in five). At two ranks each element is one commutative
-addition.
+size (float addition is not associative: at three ranks ``(a + b) + c`` is not
+``a + (b + c)`` for many elements). At two ranks each element is one commutative addition.
 """
 
 from __future__ import annotations
