@@ -44,7 +44,7 @@ OBSERVERS = ("FlightLog.", "RuntimeLog.")
 # multiply); one more (transport/wait.py's deadline arithmetic) when a bucket's all-reduce has
 # not finished by the time backward ends. On one host the bucket's sum goes through the
 # shared-memory transport (its worker thread: submit, ready sync, the rank's chunk of the sum,
-# done sync), counted apart: measured 27 functions in 6 files of transport/ at three ranks,
+# done sync), counted apart: measured 27 functions in 6 files of transport/ at two ranks,
 # comprehensions included.
 MAX_FILES, MAX_FUNCTIONS = 7, 35
 SHM_ROUTE = ("src/mini_ddp/transport/shm", "src/mini_ddp/transport/serial_worker.py")

@@ -61,9 +61,9 @@ def sum_chunk(buffers: Sequence[torch.Tensor], rank: int, lo: int, hi: int) -> N
     """
     world = len(buffers)
     own = buffers[rank]
-    # The ring's operands for this chunk, innermost first: x[c-1], x[c-2], ..., x[c+1].
+    # The ring's operands for this chunk, innermost first: x[c-1], x[c-2], ..., x[c+1] —
+    # every other rank's buffer, which is also where the sums are copied.
     inner = [buffers[(rank + k) % world] for k in range(world - 1, 0, -1)]
-    others = [buffers[r] for r in range(world) if r != rank]
     step = max(1, _PIECE_BYTES // own.element_size())
     mine = acc = piece = None
     try:
@@ -78,8 +78,8 @@ def sum_chunk(buffers: Sequence[torch.Tensor], rank: int, lo: int, hi: int) -> N
                     piece = operand[start:stop]
                     torch.add(piece, acc, out=acc)
             torch.add(mine, acc, out=mine)
-            for other in others:
+            for other in inner:
                 piece = other[start:stop]
                 piece.copy_(mine)
     finally:
-        del mine, acc, piece, inner, others, own
+        del mine, acc, piece, inner, own
