@@ -95,6 +95,22 @@ def _marked_twice():
     model(torch.randn(1, 2, requires_grad=True)).sum().backward()
 
 
+def _grad_changed_late():
+    # A hook on an AccumulateGrad node, registered after the two backwards read at the hooks
+    # (the third reads late, one hook per gradient), that changes a gradient its bucket has
+    # not read yet.
+    model = DataParallelModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    x = torch.randn(3, 2)
+    for _ in range(2):
+        model(x).sum().backward()
+    early = model.module[1].weight  # its gradient arrives first: the bucket is not full yet
+
+    def halve(*_grads):
+        early.grad.mul_(0.5)
+    early.view_as(early).grad_fn.next_functions[0][0].register_hook(halve)
+    model(x).sum().backward()
+
+
 def _backward_twice():
     model = DataParallelModel(nn.Linear(2, 2))
     loss = model(torch.randn(1, 2)).sum()
@@ -290,6 +306,7 @@ IN_PROCESS: dict[str, Callable[[], object]] = {
     "`device_ids` on a CPU model": lambda: DataParallelModel(nn.Linear(2, 2), device_ids=[0]),
     "A parameter got no gradient": _unused,
     "A gradient arrived twice in one backward": _marked_twice,
+    "A gradient changed after its hook, before its bucket read it": _grad_changed_late,
     "Backward twice on one forward": _backward_twice,
     "Second hook": _second_hook,
     "Hook's future holds a list": _list_future_hook,

@@ -191,23 +191,61 @@ def test_plan_groups_follows_the_ready_order():
     assert groups[2].last == 0
 
 
-def test_the_checks_tell_this_backwards_gradients_from_older_ones():
-    from mini_ddp.engine.hook_groups import HookGroups
+def test_the_checks_count_each_arrival_from_where_backward_began():
+    from mini_ddp.engine.hook_groups import AGAIN, NOT_YET, ONCE, HookGroups
 
     params = [nn.Parameter(torch.zeros(3)) for _ in range(4)]
     checks = HookGroups(len(params))
-    checks.snapshot(params)  # every .grad None: any gradient is this backward's
+    checks.groups = []  # armed (the plan itself is not read here)
+    # What one arrival makes of a version, as the per-gradient backwards showed it.
+    checks._new_version, checks._added_version = [0] * 4, [1] * 4
+    checks.expect_backward()
+    assert checks.arrivals([0], [None]) == (NOT_YET, 0)  # backward has not begun
+    checks.begin(params)  # every .grad None: any gradient is this backward's
     params[0].grad = torch.ones(3)
-    assert checks.fresh([0], [params[0].grad]) and not checks.fresh([1], [params[1].grad])
+    assert checks.arrivals([0], [params[0].grad]) == (ONCE, None)
+    assert checks.arrivals([0, 1], [params[0].grad, None]) == (NOT_YET, 1)
     for p in params:
         p.grad = torch.zeros(3)
-    checks.snapshot(params)  # accumulating: the same tensor counts once its version moved
-    assert not checks.fresh([2], [params[2].grad])
+    params[2].grad.zero_()  # zeroed in place before backward began: not an arrival
+    checks.expect_backward()
+    checks.begin(params)
+    assert checks.arrivals([2], [params[2].grad]) == (NOT_YET, 2)
+    assert checks.fresh_indices(params) == []
     params[2].grad += 1
-    assert checks.fresh([2], [params[2].grad]) and checks.fresh_indices(params) == [2]
-    checks.copied(params[2:], [p.grad for p in params[2:]], [2, 3])
+    assert checks.arrivals([2], [params[2].grad]) == (ONCE, None)
+    assert checks.fresh_indices(params) == [2]
+    params[2].grad += 1  # a second accumulation before its group's hook: arrived twice
+    assert checks.arrivals([2], [params[2].grad]) == (AGAIN, 2)
+    assert checks.extra_arrival(params) == 2
+    params[3].grad += 1
+    checks.copied(params[3:], [p.grad for p in params[3:]], [3])
     assert checks.changed_since_copy() is None
     params[3].grad += 1  # accumulated into after its group copied it: arrived twice
     assert checks.changed_since_copy() == 3
     params[3].grad = torch.zeros(3)  # replaced (create_graph=True accumulates out of place)
     assert checks.changed_since_copy() == 3
+
+
+def test_user_hooks_are_found_in_torchs_hook_dictionaries():
+    from mini_ddp.engine.hook_groups import passive_hook, user_grad_hook
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    params, names = list(model.parameters()), [n for n, _ in model.named_parameters()]
+    modules = list(model.named_modules())
+    assert user_grad_hook(params, names, modules) is None
+    ours = params[0].register_hook(passive_hook(lambda g: None))
+    assert user_grad_hook(params, names, modules) is None  # mini_ddp's own read-only hook
+    theirs = params[1].register_post_accumulate_grad_hook(lambda p: None)
+    assert "post-accumulate-grad hook on parameter '0.bias'" in user_grad_hook(
+        params, names, modules)
+    ours.remove(), theirs.remove()
+    handle = model[1].register_full_backward_hook(lambda m, gi, go: None)
+    assert "backward hook on module '1'" in user_grad_hook(params, names, modules)
+    handle.remove()
+    handle = nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        assert user_grad_hook(params, names, modules) == "a global module backward hook"
+    finally:
+        handle.remove()
+    assert user_grad_hook(params, names, modules) is None

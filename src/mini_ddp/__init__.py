@@ -17,6 +17,7 @@ from mini_ddp.engine.replicas import ReplicasDifferError
 from mini_ddp.errors import (
     CollectiveError,
     CollectiveMismatchError,
+    GradChangedLateError,
     GradSyncTimeout,
     MarkedTwiceError,
     MiniDDPError,
@@ -39,6 +40,7 @@ __all__ = [
     "DesyncDetector",
     "DesyncError",
     "GradBucket",
+    "GradChangedLateError",
     "GradSyncTimeout",
     "MarkedTwiceError",
     "MiniDDPError",

@@ -77,7 +77,8 @@ class UnfinishedReductionError(MiniDDPError):
 class MarkedTwiceError(MiniDDPError):
     """A parameter's gradient arrived twice in one synchronised backward."""
 
-    def __init__(self, rank: int, name: str, index: int, after_sync: bool = False):
+    def __init__(self, rank: int, name: str, index: int, after_sync: bool = False,
+                 read_by_group: bool = False):
         self.rank, self.name, self.index = rank, name, index
         if after_sync:
             # torch DDP ignores such a gradient: it stays local and the ranks silently diverge.
@@ -97,7 +98,30 @@ class MarkedTwiceError(MiniDDPError):
             "Typical causes: the parameter is used in several reentrant backward passes "
             "(activation checkpointing with use_reentrant=True), it is shared by several "
             "modules wrapped separately, or backward ran twice on one forward. If the graph "
-            "is the same every iteration, static_graph=True supports this.")
+            "is the same every iteration, static_graph=True supports this."
+            + (" (Found by its group's hook, which serves several gradients: the version "
+               "counter of its .grad had moved further than one accumulation since backward "
+               "began, so either a second gradient arrived or code inside backward changed it "
+               "in place. grouped_hooks=False reads every gradient in its own hook, as torch "
+               "DDP's reducer does.)" if read_by_group else ""))
+
+
+class GradChangedLateError(MiniDDPError):
+    """A gradient read after its hook had changed since the hook fired."""
+
+    def __init__(self, rank: int, name: str, index: int):
+        self.rank, self.name, self.index = rank, name, index
+        super().__init__(
+            f"mini_ddp: the .grad of parameter '{name}' (index {index}) changed on rank {rank} "
+            "after its gradient hook fired and before its bucket read it. torch DDP reads each "
+            "gradient inside its hook, so it all-reduces the value from before that change; "
+            "mini_ddp reads a bucket's gradients together once the bucket is full, and has "
+            "only the changed value. What changed it runs inside backward where no hook "
+            "dictionary shows it: a hook on an AccumulateGrad node registered after the first "
+            "synchronised backwards, a custom autograd.Function, or a hook on an activation. "
+            "Pass grouped_hooks=False to read every gradient in its own hook, as torch DDP "
+            "does, or register such hooks before the first backward (mini_ddp then reads at "
+            "the hooks on its own).")
 
 
 class GradSyncTimeout(MiniDDPError):

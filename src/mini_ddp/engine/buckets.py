@@ -222,6 +222,8 @@ class Bucket:
     storage_refs: int = 0  # storage_object_refs(buffer) then
     sparse: bool = False  # one parameter with sparse gradients: ``buffer`` *is* its ``.grad``
     deferred: list[int] = field(default_factory=list)  # batched_grad_copy: positions to copy
+    # The default path: (position, .grad, its version) as each hook saw it, this step.
+    noted: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, index: int, param_indices: list[int], all_params: Sequence[torch.Tensor],
@@ -466,6 +468,7 @@ class BucketLayout:
             bucket.pending = len(bucket.param_indices)
             bucket.future = None
             bucket.deferred.clear()  # batched_grad_copy: nothing deferred yet
+            bucket.noted.clear()
 
     def armed_elsewhere(self, index: int) -> bool:
         """Has another live wrapper of parameter ``index`` armed for a backward since this one?

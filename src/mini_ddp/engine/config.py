@@ -115,8 +115,10 @@ class DataParallelConfig:
     in the same order, keep one autograd hook per group of 32 gradients of a bucket instead of
     one per gradient (:mod:`mini_ddp.engine.hook_groups`): each hook copies its group into the
     bucket at once. Same bits; every group is checked before it is copied, and a change of
-    order falls back to one hook per gradient within the same backward. ``False``: one hook
-    per gradient always, as torch DDP's reducer."""
+    order falls back to one hook per gradient within the same backward. Gradients are then
+    read once per bucket or group rather than in their own hooks, which is only done while no
+    user hook can change a ``.grad`` in between (see the module). ``False``: one hook per
+    gradient always, each gradient read in its hook, as torch DDP's reducer."""
 
     debug: bool = False
     """mini_ddp's debug switch (``DataParallelModel(debug=...)``; None there reads

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from mini_ddp.engine.hook_groups import passive_hook
 from mini_ddp.errors import MiniDDPError
 
 logger = logging.getLogger("mini_ddp")
@@ -54,9 +55,11 @@ class GradWatch:
         me = weakref.ref(self)
         self._handles = []
         for index, param in enumerate(model.reducer.params):
-            self._handles.append(param.register_hook(functools.partial(_local_grad, me, index)))
+            # Read-only hooks (passive_hook): the reducer may still read gradients late.
+            self._handles.append(param.register_hook(
+                passive_hook(functools.partial(_local_grad, me, index))))
             self._handles.append(param.register_post_accumulate_grad_hook(
-                functools.partial(_accumulated, me, index)))
+                passive_hook(functools.partial(_accumulated, me, index))))
 
     def remove(self) -> None:
         """Take the hooks off."""

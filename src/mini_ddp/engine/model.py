@@ -278,7 +278,8 @@ class DataParallelModel(DistributedDataParallel):
         ``flight``: the flight recorder to keep (None: the stall monitor starts a fresh one).
         """
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
-                               self.process_group, self.config, self.transport)
+                               self.process_group, self.config, self.transport,
+                               modules=list(self.module.named_modules()))
         self.reducer.runtime_log = self._runtime_log
         self._runtime_log.use_device([p.device for _, p in named])
         if flight is not None and self.config.stall_warning_s is not None:
@@ -428,8 +429,9 @@ class DataParallelModel(DistributedDataParallel):
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if synced:
             self.require_forward_param_sync = True
-            search = self.find_unused_parameters and not self.static_graph
-            self.reducer.prepare_for_backward(find_tensors(output) if search else [])
+            # The outputs: where the unused-parameter search starts, and where the reducer
+            # hears that backward has begun (Reducer.backward_begins).
+            self.reducer.prepare_for_backward(find_tensors(output))
         else:
             self.require_forward_param_sync = False
             if torch.is_grad_enabled():  # no_sync(): this forward's backward is local by design

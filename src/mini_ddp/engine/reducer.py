@@ -56,7 +56,7 @@ from mini_ddp.engine import buckets as bucketing
 from mini_ddp.engine import writeback
 from mini_ddp.engine.buckets import BucketLayout, assign_grad, check_sparse_grad, shares_storage
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.hook_groups import Group, HookGroups
+from mini_ddp.engine.hook_groups import AGAIN, ONCE, Group, HookGroups, passive_hook, user_grad_hook
 from mini_ddp.engine.hooks import CommHook, GradBucket, launch_hook, result_tensor
 from mini_ddp.engine.torch_api import (
     BACKWARD_COMM_END,
@@ -69,6 +69,7 @@ from mini_ddp.engine.torch_api import (
 from mini_ddp.engine.unused import UnusedSearch
 from mini_ddp.errors import (
     CollectiveError,
+    GradChangedLateError,
     GradSyncTimeout,
     MarkedTwiceError,
     MiniDDPError,
@@ -227,6 +228,7 @@ class StepState:
 
 _GRAD = operator.attrgetter("grad")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_VERSION = operator.attrgetter("_version")
 
 
 def _grad_accumulator(param: torch.Tensor) -> Any:
@@ -255,9 +257,11 @@ class Reducer(TorchReducerAPI):
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
-                 transport: SharedMemoryAllreduce | None = None):
+                 transport: SharedMemoryAllreduce | None = None,
+                 modules: Sequence[tuple[str, torch.nn.Module]] = ()):
         self.params = list(params)
         self.names = list(names)
+        self.modules = list(modules)  # (name, module): where user backward hooks are looked for
         self.group = group
         self.config = config
         self.rank = dist.get_rank(group)
@@ -299,6 +303,11 @@ class Reducer(TorchReducerAPI):
         # One hook per gradient, until the order is known and the path is plain: then one per
         # group of gradients (mini_ddp.engine.hook_groups; config.grouped_hooks).
         self.hook_groups = HookGroups(len(self.params)) if config.grouped_hooks else None
+        # This backward reads its gradients after their hooks (once per bucket or group)
+        # rather than in them, as torch's reducer does: decided before every synchronised
+        # backward by hook_groups (HookGroups.reads_late), False without it.
+        self.reads_late = False
+        self._changed_late = False  # this backward saw a gradient change after its hook
         self._hooks_removed = False
         self._hook_handles: list[Any] = []
         self._register_param_hooks()
@@ -418,8 +427,13 @@ class Reducer(TorchReducerAPI):
         self.layout.reset_bucket_counting()
         if self.unused_search.dynamic:
             self.unused_search.search(self._accumulators, outputs)
-        if self.hook_groups is not None and not self._hooks_removed:
-            self._choose_hooks()
+        groups = self.hook_groups
+        self.reads_late = self._changed_late = False
+        if groups is not None and not self._hooks_removed:
+            if self.scales_whole_buckets:  # the default path: the only one that reads late
+                self.reads_late = groups.reads_late(
+                    user_grad_hook(self.params, self.names, self.modules))
+            self._choose_hooks(outputs)
 
     def remove_autograd_hooks(self) -> None:
         """Remove every gradient hook (DDP's ``_remove_autograd_hooks``): later backwards
@@ -488,8 +502,9 @@ class Reducer(TorchReducerAPI):
 
 
     # ---- 1b. grouped hooks (mini_ddp.engine.hook_groups) ----------------------------------
-    def _groupable(self) -> bool:
-        """Is this backward's path the plain one that grouped hooks may serve?"""
+    def _plain_path(self) -> bool:
+        """Is this backward's path the plain one that grouped hooks may serve (once its
+        gradients may be read late)?"""
         config = self.config
         return (self.scales_whole_buckets and not config.find_unused_parameters
                 and not config.static_graph and not config.debug and self.trace is None
@@ -498,19 +513,42 @@ class Reducer(TorchReducerAPI):
                 and not self.layout.shared_with_another
                 and not any(bucket.sparse for bucket in self.layout.buckets))
 
-    def _choose_hooks(self) -> None:
-        """Before a synced backward: group the hooks once the order is known, back to one per
-        gradient when the path stops being plain (tracing switched on, a comm hook)."""
+    def _choose_hooks(self, outputs: list[torch.Tensor]) -> None:
+        """Before a synced backward: group the hooks once the order is known and gradients
+        may be read late, back to one per gradient when that stops (tracing switched on, a
+        comm hook, a user hook on a gradient). On the plain path, a hook on the outputs marks
+        when backward begins (:meth:`backward_begins`)."""
         groups = self.hook_groups
+        groups.expect_backward()
+        plain = self._plain_path()
+        began = plain and self._hook_backward_start(outputs)
+        groupable = began and self.reads_late and groups.groupable(self.params)
         if groups.groups is not None:
-            if self._groupable() and groups.snapshot(self.params):
-                return
-            groups.disarm(fell_back=False)
-            self._register_param_hooks()
-        elif groups.should_arm() and self._groupable() and groups.snapshot(self.params):
+            if not groupable:
+                groups.disarm(fell_back=False)
+                self._register_param_hooks()
+        elif groupable and groups.should_arm():
             self._register_group_hooks(groups.arm(self.layout.buckets))
             logger.debug("mini_ddp rank %d: gradient order stable, %d hooks for %d gradients",
                          self.rank, len(groups.groups), len(self.params))
+
+    def _hook_backward_start(self, outputs: list[torch.Tensor]) -> bool:
+        """Hook each output that backward will start from; False if there is none (no
+        outputs were given: a framework's own ``prepare_for_backward([])``)."""
+        me = weakref.ref(self)
+        hooked = False
+        for output in outputs:
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(passive_hook(functools.partial(_begin_trampoline, me)))
+                hooked = True
+        return hooked
+
+    def backward_begins(self) -> None:
+        """The first output's gradient is computed, before any parameter's that flows through
+        an output: record every ``.grad`` (HookGroups.begin). (One that arrived earlier, used
+        outside the outputs, looks not yet arrived to its group: a fallback, the safe way.)"""
+        if self.step.expect_hooks and self.hook_groups is not None:
+            self.hook_groups.begin(self.params)
 
     def group_ready(self, number: int) -> None:
         """The hook of group ``number``: the last gradient of the group (in the order seen) has
@@ -544,8 +582,11 @@ class Reducer(TorchReducerAPI):
         if not indices:
             return
         grads = list(map(_GRAD, params))
-        if not self.hook_groups.fresh(indices, grads):
-            self.fall_back_to_param_hooks(indices, grads)
+        found, index = self.hook_groups.arrivals(indices, grads)
+        if found == AGAIN:  # a second arrival: what torch's per-gradient hooks refuse
+            raise MarkedTwiceError(self.rank, self.names[index], index, read_by_group=True)
+        if found != ONCE:
+            self.fall_back_to_param_hooks(index)
             return
         if not step.ready.isdisjoint(indices):  # cannot happen unless a group repeats
             index = next(i for i in indices if i in step.ready)
@@ -557,7 +598,7 @@ class Reducer(TorchReducerAPI):
             step.ready_order.extend(indices)
         step.require_finalize = True
         # No .grad here is a bucket view: a view's version counter is its siblings' too, so
-        # hooks are never grouped while one exists (HookGroups.snapshot), and autograd makes
+        # hooks are never grouped while one exists (HookGroups.groupable), and autograd makes
         # new tensors. Every gradient is copied.
         sources = grads if not any(map(_REQUIRES_GRAD, grads)) \
             else [grad.detach() for grad in grads]  # create_graph=True: not into the graph
@@ -567,17 +608,18 @@ class Reducer(TorchReducerAPI):
         if bucket.pending == 0:
             self.bucket_full(bucket)
 
-    def fall_back_to_param_hooks(self, indices: list[int], grads: list[Any]) -> None:
-        """A group's hook found a gradient of its group not yet (or never) computed in this
-        backward: the order changed. One hook per gradient again, from this moment: every
-        gradient already accumulated is marked ready now, each other one when its hook fires
-        (or, if its node ran with no gradient before the hook was back, at the end of the
-        backward: :meth:`_settle_unhooked`). Called with the lock held."""
-        missing = next(i for i, g in zip(indices, grads, strict=True)
-                       if not self.hook_groups.fresh([i], [g]))
+    def fall_back_to_param_hooks(self, missing: int) -> None:
+        """A group's hook found a gradient of its group (parameter ``missing``) not yet (or
+        never) computed in this backward: the order changed. One hook per gradient again, from
+        this moment: every gradient already accumulated is marked ready now, each other one
+        when its hook fires (or, if its node ran with no gradient before the hook was back, at
+        the end of the backward: :meth:`_settle_unhooked`). Called with the lock held."""
         logger.info("mini_ddp rank %d: parameter '%s' had no gradient yet when its group's hook "
                     "fired (the gradient order changed): one hook per gradient again",
                     self.rank, self.names[missing])
+        again = self.hook_groups.extra_arrival(self.params)
+        if again is not None:  # arrived twice before any hook saw it: torch's error
+            raise MarkedTwiceError(self.rank, self.names[again], again, read_by_group=True)
         fresh = self.hook_groups.fresh_indices(self.params)
         self.hook_groups.disarm(fell_back=True)
         self._register_param_hooks()
@@ -610,11 +652,14 @@ class Reducer(TorchReducerAPI):
         bucket_index, position = self.layout.locator[index]
         bucket = buckets[bucket_index]
         # The default path's common case inline (copy_grad_in's first branch, one call less
-        # per gradient): note the gradient for scale_bucket's one copy of the bucket.
+        # per gradient): note the gradient and the version its hook saw; copy it now, or, when
+        # this backward reads late, in scale_bucket's one copy of the bucket.
         if self.scales_whole_buckets and not bucket.sparse \
                 and (grad := bucket.params[position].grad) is not None:
             if grad is not bucket.views[position]:
-                bucket.deferred.append(position)
+                bucket.noted.append((position, grad, grad._version))
+                if not self.reads_late:
+                    bucket.views[position].copy_(grad.detach() if grad.requires_grad else grad)
         else:
             self.copy_grad_in(bucket, position)
         bucket.pending -= 1
@@ -680,9 +725,12 @@ class Reducer(TorchReducerAPI):
             return
         if self.scales_whole_buckets:
             # A gradient the zero-copy write-back left as the view is already in place; any
-            # other is copied by scale_bucket, with the bucket's others, in one call.
+            # other is noted with the version seen now, and copied now or, when this backward
+            # reads late, by scale_bucket, with the bucket's others, in one call.
             if grad is not view:
-                bucket.deferred.append(position)
+                bucket.noted.append((position, grad, grad._version))
+                if not self.reads_late:
+                    view.copy_(grad.detach() if grad.requires_grad else grad)
             return
         hooked = self._comm_hook is not None
         batched, as_bucket_view = self.config.batched_grad_copy, self.config.gradient_as_bucket_view
@@ -717,14 +765,41 @@ class Reducer(TorchReducerAPI):
         """
         if bucket.sparse:  # divided on its way in
             return
-        if bucket.deferred:
-            self._copy_deferred(bucket)
-            bucket.deferred.clear()
+        if bucket.noted:
+            self._read_noted(bucket)
         bucket.buffer.mul_(self._scale)
+
+    def _read_noted(self, bucket: bucketing.Bucket) -> None:
+        """The bucket is full: check that no noted gradient changed since its hook (its
+        version counter), and copy them in at once if this backward reads late.
+
+        Reading at the hooks, a change means a late read would have differed from torch's:
+        gradients are read at the hooks from now on (HookGroups.late_change). Reading late,
+        it means the value torch DDP would reduce is gone: an error naming the parameter.
+        """
+        positions, grads, versions = zip(*bucket.noted, strict=True)
+        bucket.noted.clear()
+        if list(map(_VERSION, grads)) != list(versions):
+            for position, grad, version in zip(positions, grads, versions, strict=True):
+                # A view's counter is its siblings' too (the zero-copy write-back's bucket
+                # views): it moves with them, so it tells nothing.
+                if grad._version != version and grad._base is None:
+                    index = bucket.param_indices[position]
+                    if self.reads_late:
+                        raise GradChangedLateError(self.rank, self.names[index], index)
+                    self._changed_late = True
+                    if self.hook_groups is not None:
+                        self.hook_groups.late_change(self.names[index])
+                    break
+        if self.reads_late:
+            if any(map(_REQUIRES_GRAD, grads)):  # create_graph=True: not into the graph
+                grads = [grad.detach() for grad in grads]
+            torch._foreach_copy_(list(map(bucket.views.__getitem__, positions)), list(grads))
 
     @staticmethod
     def _copy_deferred(bucket: bucketing.Bucket) -> None:
-        """Copy the gradients :meth:`copy_grad_in` only noted into their bucket views."""
+        """``batched_grad_copy``: copy the gradients :meth:`copy_grad_in` deferred (DDP reads
+        them when the bucket is full too) into their bucket views."""
         # map(), not comprehensions: no Python frame per gradient.
         grads = list(map(_GRAD, map(bucket.params.__getitem__, bucket.deferred)))
         if any(map(_REQUIRES_GRAD, grads)):  # create_graph=True: the copy must not join it
@@ -883,6 +958,9 @@ class Reducer(TorchReducerAPI):
                     raise MarkedTwiceError(self.rank, self.names[changed], changed)
             elif groups is not None and self.step.plain and not self._hooks_removed:
                 groups.observe(self.step.ready_order, self.params)
+            if groups is not None and self.scales_whole_buckets and not self.reads_late \
+                    and not self._changed_late:
+                groups.quiet_backward()  # read at the hooks, and nothing changed after them
             self.step.finish()
             if config.static_graph and self.step.num_backward_calls > 1 \
                     and self.layout.should_rebuild():
@@ -924,3 +1002,9 @@ def _group_hook_trampoline(reducer_ref: weakref.ref, number: int, *_grads: Any) 
     reducer = reducer_ref()
     if reducer is not None:
         reducer.group_ready(number)
+
+
+def _begin_trampoline(reducer_ref: weakref.ref, *_grad: Any) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer.backward_begins()

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from mini_ddp.engine.hook_groups import passive_hook
 from mini_ddp.errors import MiniDDPError
 
 logger = logging.getLogger("mini_ddp")
@@ -112,8 +113,8 @@ class ReplicaCheck:
         self._posted: list[str] = []  # this rank's records still up
         reducer = model.reducer
         for index, param in enumerate(reducer.params):
-            self._grad_hooks.append(param.register_hook(
-                functools.partial(_first_grad_hook, weakref.ref(self), index)))
+            self._grad_hooks.append(param.register_hook(passive_hook(  # read-only
+                functools.partial(_first_grad_hook, weakref.ref(self), index))))
 
     @property
     def model(self) -> Any:
