@@ -33,8 +33,10 @@ checks what it relies on: each noted gradient's version counter must be the one 
 Why grouped hooks stay exact: nothing is copied on trust. When backward begins (a hook on the
 forward's outputs) :meth:`HookGroups.begin` records every ``.grad``'s identity and version.
 Autograd's accumulation is predictable from there: a ``.grad`` that existed is accumulated into
-in place (its version goes up by one), a missing one becomes the new gradient (whose version
-the per-gradient backwards showed). A group's hook checks each of its gradients against that
+in place (its version goes up by one, or by what the per-gradient backwards showed), a missing
+one becomes the new gradient (whose version the per-gradient backwards showed). A version
+further on than expected counts as a second arrival only where the per-gradient backwards
+showed what one arrival does; elsewhere it is a fallback. A group's hook checks each of its gradients against that
 (:meth:`HookGroups.arrivals`): all arrived once — copy; one not yet (the order changed, a
 parameter went unused, a gradient came undefined) — fall back at once to one hook per gradient
 (:meth:`~mini_ddp.engine.reducer.Reducer.fall_back_to_param_hooks`), exactly the per-gradient
@@ -178,6 +180,7 @@ class HookGroups:
         # into an existing one adds (None: not seen).
         self._new_version: list[int | None] = [None] * num_params
         self._added_version: list[int | None] = [None] * num_params
+        self._added_or_one: list[int] = [1] * num_params
         self._expected: list[int | None] = []
         # What each group copied: (params, their .grad then, its versions, param indices).
         self._copied: list[tuple[list[Any], list[torch.Tensor], list[int], list[int]]] = []
@@ -212,7 +215,8 @@ class HookGroups:
                 if before is None:
                     self._new_version[index] = grad._version
                 elif id(grad) == before:
-                    self._added_version[index] = grad._version - self._before_versions[index]
+                    added = grad._version - self._before_versions[index]
+                    self._added_version[index] = self._added_or_one[index] = added
                 else:  # replaced, not accumulated into (create_graph=True): cannot be counted
                     complete = False
         self._stable = complete and order == self._last_order
@@ -277,14 +281,15 @@ class HookGroups:
             self._before_versions = [-1 if grad is None else grad._version for grad in grads]
         if self.groups is None:
             return
-        added, new = self._added_version, self._new_version
+        # An accumulation not yet seen is expected to add one (AccumulateGrad's in-place
+        # ``+=``); only a learnt one can tell a second arrival (AGAIN) from a miscount.
+        added, new = self._added_or_one, self._new_version
         if self._all_new:
             self._expected = list(new)
-        elif self._none_new and None not in added:
+        elif self._none_new:
             self._expected = list(map(operator.add, self._before_versions, added))
         else:
-            self._expected = [new[i] if before is None else
-                              None if added[i] is None else self._before_versions[i] + added[i]
+            self._expected = [new[i] if before is None else self._before_versions[i] + added[i]
                               for i, before in enumerate(self._before)]
 
     def arrivals(self, indices: list[int],
@@ -322,7 +327,8 @@ class HookGroups:
             return NOT_YET  # not arrived, or replaced: cannot be counted, the safe way back
         if grad._version == expected:
             return ONCE
-        return AGAIN if grad._version > expected else NOT_YET
+        learnt = self._before[index] is None or self._added_version[index] is not None
+        return AGAIN if grad._version > expected and learnt else NOT_YET
 
     def extra_arrival(self, params: Sequence[torch.Tensor]) -> int | None:
         """The first parameter whose gradient arrived more than once (or changed in place)
