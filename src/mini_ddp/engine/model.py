@@ -243,7 +243,7 @@ class DataParallelModel(DistributedDataParallel):
             self.broadcast_module_states(include_buffers=init_bufs, flight=flight)
         self.transport = None
         if self.config.shared_memory_allreduce and self.device_type == "cpu":
-            # Collective on the default group when it is Gloo; None unless its ranks share a host.
+            # Collective on the model's group when it is Gloo; None unless its ranks share a host.
             self.transport = SharedMemoryAllreduce.create(self.process_group)
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)

@@ -129,6 +129,7 @@ class StackResponder:
     def __init__(self, store: Any, rank: int,
                  on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None):
         self.rank = rank
+        self.pid = os.getpid()  # the process whose thread this is (see stop)
         self._stop = threading.Event()
         own = store.clone()  # raises for stores that cannot open a second connection
         # stop() wakes the thread through a connection of its own: by then the process group,
@@ -142,8 +143,12 @@ class StackResponder:
         _THREADS.add(self.thread)
 
     def stop(self) -> None:
-        """End the thread: set the stop flag, then wake its wait (idempotent, never raises)."""
-        if self._stop.is_set():
+        """End the thread: set the stop flag, then wake its wait (idempotent, never raises).
+
+        Only in the process that started it: a child forked from the rank has no such thread,
+        and its exit (or its copy of the model going) must not wake and end the parent's
+        through the store (nor write on the store connection it shares with the parent)."""
+        if self._stop.is_set() or os.getpid() != self.pid:
             return
         self._stop.set()
         try:  # bounded: a frozen store must not hold up the model's deletion, or the exit
@@ -158,6 +163,16 @@ _RESPONDERS: weakref.WeakSet[StackResponder] = weakref.WeakSet()
 _THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _LAST_SERVE_END = [float("-inf")]  # monotonic time a responder thread last left _serve
 _THREAD_SETTLE_S = 0.25
+
+
+def _after_fork_in_child() -> None:
+    # A forked child has none of the parent's threads: nothing of them to stop or join.
+    _RESPONDERS.clear()
+    _THREADS.clear()
+    _LAST_SERVE_END[0] = float("-inf")
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
