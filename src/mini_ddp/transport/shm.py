@@ -64,14 +64,20 @@ from mini_ddp.transport.shm_sum import ring_chunk, shm_supported, sum_chunk
 from mini_ddp.transport.shm_sync import (
     ALL_REDUCE,
     ALLOCATE,
+    NO_OFFER,
+    ChannelOffer,
     PeerSync,
     ShmDesyncError,
+    channel_offer,
     open_channel,
+    open_offer,
 )
 
 __all__ = [
     "FILE_PREFIX",
+    "NO_OFFER",
     "SHM_DIR",
+    "ChannelOffer",
     "SharedMemoryAllreduce",
     "ShmAllocationError",
     "ShmDesyncError",
@@ -142,6 +148,24 @@ class SharedMemoryAllreduce:
         outside the group take no part. Its ranks are the group's ranks.
         """
         opened = open_channel(group)
+        return None if opened is None else cls(*opened)
+
+    @staticmethod
+    def offer(group: dist.ProcessGroup | None = None) -> ChannelOffer | None:
+        """This rank's half of a transport on ``group``, for a caller that carries
+        :attr:`ChannelOffer.fields` (or :data:`NO_OFFER` where it has none) in an all-gather
+        of its own, then calls :meth:`from_offer`. Local; None on every rank of the group when
+        no transport can work there."""
+        return channel_offer(group)
+
+    @classmethod
+    def from_offer(cls, offer: ChannelOffer | None, rows: list[list[int]] | None
+                   ) -> SharedMemoryAllreduce | None:
+        """The transport of ``offer`` (from :meth:`offer`), given every group rank's offer
+        fields ``rows`` (None: exchange them now, an all-gather on the offer's group); None on
+        every rank when any rank had no offer or cannot join. Collective on the group, as
+        :meth:`create` (whose two votes it runs); the offer is closed in any case."""
+        opened = open_offer(offer, rows)
         return None if opened is None else cls(*opened)
 
     # ----------------------------------------------------------------------------- public API

@@ -138,6 +138,8 @@ def _address(nonce: int) -> str:
 OFFER_FIELDS = 6
 """How many integers each rank contributes to a channel's start-up exchange
 (:attr:`ChannelOffer.fields`)."""
+NO_OFFER = (0,) * OFFER_FIELDS
+"""What a rank without an offer contributes instead (pid 0): then no rank opens a channel."""
 
 
 def channel_offer(group: dist.ProcessGroup | None) -> ChannelOffer | None:
@@ -196,7 +198,8 @@ class ChannelOffer:
         """``(channel, rank, token, {peer rank: pid})``, or None on every rank of the group.
 
         ``rows``: every group rank's :attr:`fields`, in group-rank order. Collective on the
-        group: two all-reduce MIN votes. The first agrees that every rank can map group rank
+        group: two all-reduce MIN votes — none when a row is :data:`NO_OFFER` (a rank that
+        does not want a transport: every rank sees the same rows, so none opens one). The first agrees that every rank can map group rank
         0's memory (each reads the probe's secret back through ``/proc/<pid>/fd``: same
         machine, same pid namespace, access allowed) and has connected to the ranks below it;
         the second that every rank has a socket to every other (each end checks the other's
@@ -206,6 +209,8 @@ class ChannelOffer:
         rank, world, timeout_s = self.rank, self.world, self.timeout_s
         socks: dict[int, socket.socket] = {}
         try:
+            if any(int(row[0]) == 0 for row in rows):
+                return None
             pids = [int(row[0]) for row in rows]
             nonces = [int(row[1]) for row in rows]
             token, secret = _token_and_secret(rows[0][2:5])
@@ -264,11 +269,18 @@ def open_channel(group: dist.ProcessGroup | None
     Collective on ``group`` (an all-gather of the ranks' :class:`ChannelOffer` fields, then
     the offer's two votes); ranks outside it take no part. The ranks are the group's ranks.
     """
-    offer = channel_offer(group)
+    return open_offer(channel_offer(group), None)
+
+
+def open_offer(offer: ChannelOffer | None, rows: Sequence[Sequence[int]] | None
+               ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
+    """:meth:`ChannelOffer.open` with ``rows``, exchanged first when None (an all-gather on the
+    offer's group); None at once without an offer. The offer is closed in any case."""
     if offer is None:
         return None
     try:
-        rows = exchange_offers(offer.group, offer.fields)
+        if rows is None:
+            rows = exchange_offers(offer.group, offer.fields)
     except BaseException:
         offer.close()
         raise
