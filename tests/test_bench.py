@@ -100,6 +100,7 @@ def test_summarize_startup_takes_the_slowest_rank_and_pairs_rounds():
     assert s["construct_ms"]["mini_ddp"] == pytest.approx(2000.0)
     assert s["over_ddp"]["construct"]["mini_ddp"] == pytest.approx(1.0)
     assert s["over_ddp"]["first_step"]["mini_ddp"] == pytest.approx(2.0)
+    assert s["over_ddp_range"]["first_step"]["mini_ddp"] == pytest.approx((1.0, 3.0))
 
 
 def test_summarize_per_gradient_cost_is_exposed_time_over_gradients():

@@ -97,7 +97,9 @@ def _all_ranks(ctx) -> dict:
     """Rank body: parity with Gloo, then free/close/bad input, then the desync cases."""
     rank, out = ctx.rank, {"tokens": []}
     group = dist.new_group(list(range(ctx.world_size)))
-    assert SharedMemoryAllreduce.create(group) is None, "only the default group"
+    sub = SharedMemoryAllreduce.create(group)  # a group of every rank: a transport of its own
+    assert sub is not None and sub.rank == rank
+    sub.close()
     shm = SharedMemoryAllreduce.create()
     assert shm is not None
     out["tokens"].append(shm.token)
@@ -287,6 +289,38 @@ def test_dead_peer_fails_the_future_in_bounded_time(tmp_path: Path, world_size: 
         assert seconds < 30, seconds
     token = Path(tmp_path, "token0").read_text()
     assert glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{token}*")) == []
+
+
+def _dead_peer_with_a_forked_child(ctx, outdir: str) -> None:
+    shm = SharedMemoryAllreduce.create()
+    buf = shm.allocate(1000, torch.float32)
+    shm.all_reduce(buf).wait()
+    if ctx.rank == 1:
+        child = os.fork()  # a DataLoader worker, say: it outlives its parent here
+        if child == 0:
+            deadline = time.monotonic() + 60
+            while not Path(outdir, "done").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(0)
+        Path(outdir, "child").write_text(str(child))
+        time.sleep(0.5)  # rank 0 is waiting in the ready sync by now
+        os._exit(1)
+    try:
+        report = _outcome(shm.all_reduce(buf).wait)
+    finally:
+        Path(outdir, "done").write_text("")
+    Path(outdir, f"rank{ctx.rank}.json").write_text(json.dumps(report))
+
+
+def test_a_forked_child_does_not_keep_its_dead_parents_connection_open(tmp_path: Path) -> None:
+    """The child's copies of the transport's sockets are closed at the fork: once the rank is
+    gone its peers see the connection close, not wait for the group's timeout."""
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_dead_peer_with_a_forked_child, 2, args=(str(tmp_path),), timeout_s=90,
+                  collective_timeout_s=20)
+    assert set(failed.value.failures) == {1}, failed.value.failures
+    kind, message, _ = json.loads(Path(tmp_path, "rank0.json").read_text())
+    assert kind == "CollectiveError" and "rank 1 exited or was killed" in message, message
 
 
 def test_shm_supported() -> None:

@@ -125,7 +125,7 @@ def test_a_frozen_store_host_fails_the_survivors_like_torch_ddp(frozen_host):
 def finished(tmp_path_factory):
     out = tmp_path_factory.mktemp("finish")
     return {case: run_case(f"finish_{case}", "mini", 2, out / case)
-            for case in ("exit", "destroy", "kill")}
+            for case in ("exit", "destroy", "kill", "fork_kill")}
 
 
 @pytest.mark.timeout(300)
@@ -148,9 +148,18 @@ def test_a_rank_that_finished_early_is_said_to_have_finished(finished, how, word
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_rank_is_still_said_to_have_most_likely_died(finished):
-    run = finished["kill"]
+@pytest.mark.parametrize("case", ["kill", "fork_kill"])
+def test_a_killed_rank_is_still_said_to_have_most_likely_died(finished, case):
+    """Also when a child forked from it after wrapping ended first with sys.exit(0): the
+    child's exit leaves no finish mark for the rank, stops none of its threads and writes
+    none of its flight log dumps."""
+    run = finished[case]
     assert run["codes"][1] == -signal.SIGKILL, run
+    if case == "fork_kill":
+        child = json.loads((run["dir"] / "child.json").read_text())
+        assert child["status"] == 0, child  # the child's exit ran its handlers and ended well
+        assert child["dump_pid"] is None, child  # the child's dump would be rank 1's file
+        assert json.loads((run["dir"] / "asked.json").read_text()) is True  # still answers
     error = run["results"]["mini", 0]["error"]
     assert error is not None and error["type"] == "CollectiveError", run
     assert "Another rank has most likely died" in error["message"], error["message"]

@@ -18,6 +18,9 @@ Cases:
 * ``finish_exit`` / ``finish_destroy`` / ``finish_kill`` (2 ranks, rank 0 hosts the store): rank
   1 runs one batch fewer, then ends its script (``exit``), calls ``destroy_process_group()`` and
   then ends (``destroy``), or is SIGKILLed (``kill``); rank 0's next step fails.
+* ``finish_fork_kill`` (2 ranks): as ``finish_kill``, but first, after wrapping, rank 1 forks
+  a child (as a ``DataLoader`` worker is one) that dumps the flight log and ends with
+  ``sys.exit(0)`` (its exit handlers run); then rank 0 asks rank 1 for its stack.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import DataParallelModel
-from mini_ddp.observe.flight_recorder import flight_recorder
+from mini_ddp.engine.stacks import ask_stacks
+from mini_ddp.observe.flight_recorder import dump, flight_recorder
 from mini_ddp.training.launch import LOOPBACK, keep_gloo_on_loopback
 
 SLOW_S = 4.0
@@ -102,7 +106,14 @@ def run_rank(case: str, engines: str, rank: int, world: int, port: int, outdir: 
               for engine in engines.split(",")}
     if "mini" in models:
         flight_recorder(models["mini"], dump_dir=out / "flight")
+    if case == "finish_fork_kill" and rank == 1:
+        _fork_a_child_that_exits(models["mini"], out)
     dist.barrier()
+    if case == "finish_fork_kill" and rank == 0:  # the rank's stack responder still answers
+        answer = ask_stacks(models["mini"].stall_monitor.store, [1], answer_s=20)[1]
+        Path(out, "asked.json").write_text(json.dumps(answer["answered"]))
+    if case == "finish_fork_kill":
+        dist.barrier()
     if case in ("frozen_store", "gone_store") and rank == 0:
         store_pid = int(Path(out, "store.pid").read_text())
         os.kill(store_pid, signal.SIGSTOP if case == "frozen_store" else signal.SIGKILL)
@@ -121,13 +132,28 @@ def run_rank(case: str, engines: str, rank: int, world: int, port: int, outdir: 
                 pass
             os._exit(3)
     if case.startswith("finish_") and rank == 1:
-        if case == "finish_kill":
+        if case in ("finish_kill", "finish_fork_kill"):
             os.kill(os.getpid(), signal.SIGKILL)
         if case == "finish_destroy":
             dist.destroy_process_group()
         return  # finish_exit: the script ends here, the group still up
     if not case.startswith("finish_"):
         dist.destroy_process_group()
+
+
+def _fork_a_child_that_exits(model: nn.Module, out: Path) -> None:
+    """Fork a child that dumps the flight log and ends with ``sys.exit(0)``: the exit handlers
+    it inherited run. Wait for it; write what it left (its exit status, its pid, and the dump
+    found then: none of this rank's may exist yet)."""
+    child = os.fork()
+    if child == 0:
+        dump(model, "a forked child")
+        sys.exit(0)
+    _, status = os.waitpid(child, 0)
+    found = Path(out, "flight", "rank1.json")
+    Path(out, "child.json").write_text(json.dumps({
+        "status": status, "pid": child,
+        "dump_pid": json.loads(found.read_text())["pid"] if found.exists() else None}))
 
 
 def _train(case: str, engine: str, model: nn.Module, rank: int, out: Path) -> dict:

@@ -18,6 +18,8 @@ thread that would hang too. A clone (``store.clone()``, a connection of its own)
 
 from __future__ import annotations
 
+import collections
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +27,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["STORE_CALL_S", "StoreUnanswered", "bounded_store_call", "default_store"]
+__all__ = ["STORE_CALL_S", "StoreUnanswered", "bounded_store_call", "default_store",
+           "group_key_space"]
 
 T = TypeVar("T")
 
@@ -50,6 +53,26 @@ def default_store(prefix: str | None = None) -> Any:
     ``prefix`` when given. Raises RuntimeError or ValueError when there is no default group."""
     store = dist.distributed_c10d._get_default_store()
     return store if prefix is None else dist.PrefixStore(prefix, store)
+
+
+_KEY_SPACES: collections.defaultdict[tuple[str, str], itertools.count] = \
+    collections.defaultdict(itertools.count)
+_KEY_SPACES_LOCK = threading.Lock()
+
+
+def group_key_space(kind: str, group: Any) -> str:
+    """A fresh store key prefix of ``kind`` for one model on ``group``:
+    ``mini_ddp/<kind>/<group name>/<n>``.
+
+    ``n`` counts the models made on that group in this process, so every rank of the group
+    names its model's prefix alike as long as the group's ranks make their models in the same
+    order (as their collectives require anyway), whatever models they make on other groups;
+    two groups never share a prefix (``new_group`` names each group alike on every rank).
+    """
+    name = str(getattr(group, "group_name", None) or "default")
+    with _KEY_SPACES_LOCK:
+        n = next(_KEY_SPACES[kind, name])
+    return f"mini_ddp/{kind}/{name}/{n}"
 
 
 def _connection(store: Any) -> Any:

@@ -37,23 +37,30 @@ def _describe(name: str, t: torch.Tensor) -> tuple:
 
 
 def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
-                               group: dist.ProcessGroup | None = None) -> None:
+                               group: dist.ProcessGroup | None = None,
+                               carry: Sequence[int] = ()) -> list[list[int]]:
     """Raise :class:`ParameterMismatchError` on every rank unless all ranks agree with rank 0.
 
     Compares, in order, each parameter's name, shape, stride, dtype and device type: first a
-    digest of them from every rank (one all-gather of a number each), and only if the digests
-    differ the descriptions themselves, to name the difference.
+    digest of them from every rank (one all-gather of a few numbers each), and only if the
+    digests differ the descriptions themselves, to name the difference.
+
+    ``carry``: integers of another start-up exchange that ride on the same all-gather (as many
+    on every rank: the shared-memory transport's offer); returns every rank's, in group-rank
+    order, once the check has passed.
     """
     mine = [_describe(n, t) for n, t in named_params]
     digest = int.from_bytes(hashlib.blake2b(repr(mine).encode(), digest_size=8).digest(),
                             "little", signed=True)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    digests = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    row = torch.tensor([digest, *carry], dtype=torch.int64)
+    rows = [torch.empty_like(row) for _ in range(size)]
     what = "the start-up all-gather that checks every rank holds the same parameters"
     with naming_collective(rank, what):
-        dist.all_gather(digests, torch.tensor([digest], dtype=torch.int64), group=group)
-    if all(int(d) == digest for d in digests):  # every rank sees the same digests
-        return
+        dist.all_gather(rows, row, group=group)
+    gathered = [r.tolist() for r in rows]
+    if all(r[0] == digest for r in gathered):  # every rank sees the same digests
+        return [r[1:] for r in gathered]
     everyone: list = [None] * size
     with naming_collective(rank, what):
         dist.all_gather_object(everyone, mine, group=group)
@@ -67,6 +74,7 @@ def verify_params_across_ranks(named_params: Sequence[tuple[str, torch.Tensor]],
                 + f"mini_ddp: ranks hold different models: {problem}. Every rank must build the "
                 f"same model (same parameters, in the same order, with the same shapes) "
                 f"before wrapping it in DataParallelModel.")
+    return [r[1:] for r in gathered]
 
 
 def torch_mismatch_sentence(everyone: list, me: int) -> str | None:

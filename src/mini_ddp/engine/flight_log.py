@@ -103,6 +103,7 @@ class FlightLog:
         self._reducer = None if reducer is None else weakref.ref(reducer)
         # Reentrant: SIGUSR1's handler may run in the main thread in the middle of a dump.
         self._lock = threading.RLock()
+        self.pid = os.getpid()  # the rank's process: only it dumps (see dump)
         _LIVE.add(self)
 
     @classmethod
@@ -156,8 +157,11 @@ class FlightLog:
 
     # ---- dumping ----------------------------------------------------------------------------
     def directory(self) -> Path:
-        """Where dumps go: ``dump_dir``, else ``$MINI_DDP_FLIGHT_DIR``, else ./mini_ddp_flight."""
-        return Path(self.dump_dir or os.environ.get("MINI_DDP_FLIGHT_DIR") or DEFAULT_DIR)
+        """Where dumps go: ``dump_dir``, else ``$MINI_DDP_FLIGHT_DIR``, else ./mini_ddp_flight;
+        a model on a group other than the default one dumps into its subfolder
+        ``group<name>``, so the group ranks of two groups never write the same file."""
+        base = Path(self.dump_dir or os.environ.get("MINI_DDP_FLIGHT_DIR") or DEFAULT_DIR)
+        return base if self.group_name == "0" else base / f"group{self.group_name}"
 
     def snapshot(self, reason: str, stacks: list[dict[str, Any]] | None = None,
                  **extra: Any) -> dict[str, Any]:
@@ -193,7 +197,14 @@ class FlightLog:
     def dump(self, reason: str, stacks: list[dict[str, Any]] | None = None,
              **extra: Any) -> Path | None:
         """Write ``rank<R>.json`` and the torch-format file; return the JSON path (None and a
-        logged error when the directory cannot be written: a dump must not end the job)."""
+        logged error when the directory cannot be written: a dump must not end the job).
+
+        None, writing nothing, in a child forked from the rank (it inherits the log and the
+        SIGUSR1 handler): its ``rank<R>.json`` would replace the rank's own dump."""
+        if os.getpid() != self.pid:
+            logger.debug("mini_ddp: a process forked from rank %d does not dump its flight log",
+                         self.rank)
+            return None
         dump = self.snapshot(reason, stacks, **extra)
         folder = self.directory()
         try:

@@ -76,7 +76,7 @@ from mini_ddp.engine.torch_api import (
     rebuilt_layout,
 )
 from mini_ddp.errors import MiniDDPError, naming_collective
-from mini_ddp.transport.shm import SharedMemoryAllreduce
+from mini_ddp.transport.shm import NO_OFFER, SharedMemoryAllreduce
 
 logger = logging.getLogger("mini_ddp")
 
@@ -238,15 +238,24 @@ class DataParallelModel(DistributedDataParallel):
         # broadcast, so that broadcast is its first entry on every rank.
         flight = None if self.config.stall_warning_s is None \
             else FlightLog.of_group(self.process_group)
-        if init_sync:
-            verify_params_across_ranks(named, self.process_group)
-            self.broadcast_module_states(include_buffers=init_bufs, flight=flight)
-        self.transport = None
-        if self.config.shared_memory_allreduce and self.device_type == "cpu":
-            # Collective on the default group when it is Gloo; None unless its ranks share a host.
-            self.transport = SharedMemoryAllreduce.create(self.process_group)
-            if self.transport is not None:  # its worker thread must not outlive the model
-                weakref.finalize(self, self.transport.close, wait=False)
+        # The shared-memory transport's start-up offers ride on the parameter check's
+        # all-gather; then its two votes run on the model's group (None unless Gloo ranks
+        # sharing a host, and every rank asked for it).
+        offer = SharedMemoryAllreduce.offer(self.process_group) \
+            if self.config.shared_memory_allreduce and self.device_type == "cpu" else None
+        offers = None
+        try:
+            if init_sync:
+                offers = verify_params_across_ranks(
+                    named, self.process_group, NO_OFFER if offer is None else offer.fields)
+                self.broadcast_module_states(include_buffers=init_bufs, flight=flight)
+        except BaseException:
+            if offer is not None:
+                offer.close()
+            raise
+        self.transport = SharedMemoryAllreduce.from_offer(offer, offers)
+        if self.transport is not None:  # its worker thread must not outlive the model
+            weakref.finalize(self, self.transport.close, wait=False)
         self._attach_reducer(named, flight=flight)
         if self._use_python_reducer:  # our reducer's hooks go: torch's C++ ones do nothing
             self.reducer.remove_autograd_hooks()

@@ -10,7 +10,9 @@ So every rank of a watched model (one with the stall warning, the default) leave
 the process group's store as it finishes cleanly: in ``destroy_process_group()`` (torch's
 function is wrapped once; the mark is written before the group goes) and at interpreter exit
 (:mod:`atexit`), with the step it reached and, when the script ended with an uncaught
-exception, that exception. :func:`peer_states` reads every rank's mark, bounded in time; a
+exception, that exception. Only the rank's own process marks: a child forked from it (a
+``DataLoader`` worker, any forked helper) inherits the exit handlers and the group, and its
+exit neither writes nor replaces the rank's mark (the pid that watched the model is checked). :func:`peer_states` reads every rank's mark, bounded in time; a
 :class:`~mini_ddp.errors.CollectiveError` (through :func:`explain_peers`) and the flight
 recorder's dump use it to say "rank 1 finished (destroyed its process group) after step 5",
 and say a rank most likely died only when it left no mark.
@@ -28,6 +30,7 @@ import functools
 import json
 import logging
 import multiprocessing.util
+import os
 import sys
 import threading
 import time
@@ -54,7 +57,27 @@ KEY = "mini_ddp/peers/rank{}"
 _WATCHED: weakref.WeakSet[Any] = weakref.WeakSet()  # reducers whose step a finish mark reports
 _installed = threading.Lock()
 _state: dict[str, Any] = {"installed": False, "marked": None, "exit_error": None,
-                         "last_step": None}
+                         "last_step": None, "owner": None}
+# "owner": the pid of the process whose rank the marks speak for — the one that watched a model
+# (None: none has; then the process that ends marks, as a rank without a model of ours). A
+# child forked while a process group exists (a DataLoader worker, any forked helper) inherits
+# the group, the store's connection, the exit handlers and the wrapped destroy_process_group:
+# its end is not its parent rank's, so it never marks — until it watches a model of its own.
+
+
+def _after_fork_in_child() -> None:
+    _WATCHED.clear()  # the parent's models: their steps are not this process's
+    _state["last_step"] = None
+    if dist.is_available() and dist.is_initialized():  # the parent's group: not ours to mark
+        _state["owner"] = -1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _marks_for_this_process() -> bool:
+    """Whether this process may leave (or read as its own) its rank's finish mark."""
+    return _state["owner"] in (None, os.getpid())
 
 
 @dataclass
@@ -105,6 +128,7 @@ def _remember(step: Any) -> None:
 def watch(reducer: Any) -> None:
     """Report ``reducer``'s step in this rank's finish mark, and make sure the mark is left
     (the first call wraps ``destroy_process_group`` and registers the exit mark)."""
+    _state["owner"] = os.getpid()  # this process's rank: its end is what the mark tells
     if reducer not in _WATCHED:
         _WATCHED.add(reducer)
         weakref.finalize(reducer, _remember, reducer.step).atexit = False
@@ -173,8 +197,9 @@ def mark_failed(error: BaseException) -> bool:
 def mark_finished(how: str, error: str = "") -> bool:
     """Leave this rank's finish mark (once per process; the first one counts): ``how`` it
     finished ("destroyed its process group", "exited cleanly", or "raised" with ``error``).
-    False when there is no group, or the store did not take it within :data:`FINISH_MARK_S`."""
-    if not dist.is_available() or not dist.is_initialized():
+    False when there is no group, the store did not take it within :data:`FINISH_MARK_S`, or
+    this process is a child forked from the rank (its end is not the rank's: it never marks)."""
+    if not dist.is_available() or not dist.is_initialized() or not _marks_for_this_process():
         return False
     try:
         store = default_store()
@@ -192,25 +217,31 @@ def mark_finished(how: str, error: str = "") -> bool:
 
 
 def peer_states(world_size: int | None = None, store: Any = None,
-                timeout_s: float = READ_S) -> dict[int, PeerState]:
+                timeout_s: float = READ_S, group: Any = None) -> dict[int, PeerState]:
     """Every rank's last known state from the store (its finish mark), within ``timeout_s``.
 
-    ``store``: default the default process group's; ``world_size``: default its size. A rank
-    without a mark is ``"unknown"``; when the store does not answer, every rank is
-    ``"unreachable"`` with the store's sentence as ``error``. Never raises for the store.
+    ``group``: the ranks of that process group, by group rank (each process's mark is under
+    its global rank); default every rank of the default group. ``store``: default the default
+    process group's; ``world_size``: default the group's size. A rank without a mark is
+    ``"unknown"``; when the store does not answer, every rank is ``"unreachable"`` with the
+    store's sentence as ``error``. Never raises for the store.
     """
     if store is None or world_size is None:
         if not dist.is_available() or not dist.is_initialized():
             return {}
-        world_size = dist.get_world_size() if world_size is None else world_size
         try:
+            if world_size is None:
+                world_size = dist.get_world_size(group)
             store = default_store() if store is None else store
         except (RuntimeError, ValueError):
             return {}
     size = world_size
+    # A process leaves one mark, under its global rank: a group's rank r reads its member's.
+    members = list(range(size)) if group is None or group is dist.GroupMember.WORLD \
+        else [dist.get_global_rank(group, r) for r in range(size)]
 
     def read(s: Any) -> dict[int, dict[str, Any]]:
-        keys = [KEY.format(r) for r in range(size)]
+        keys = [KEY.format(members[r]) for r in range(size)]
         return {r: json.loads(s.get(k)) for r, k in enumerate(keys) if s.check([k])}
 
     try:
@@ -256,12 +287,20 @@ def describe_finished(states: dict[int, PeerState], rank: int) -> str:
     return text
 
 
+def _watched_group() -> Any:
+    """The one process group this process's watched models reduce over (None: the default
+    group, or models on several groups, whose ranks are then read as the default group's)."""
+    groups = {id(r.group): r.group for r in list(_WATCHED) if getattr(r, "group", None)}
+    return next(iter(groups.values())) if len(groups) == 1 else None
+
+
 def explain_peers(rank: int) -> str:
     """What the store knows of the other ranks, for :class:`~mini_ddp.errors.CollectiveError`
     on ``rank`` ("" when nothing: no group, or no rank left a mark). Bounded by
-    :data:`READ_S`."""
+    :data:`READ_S`. ``rank`` and the ranks named are ranks of the group this process's models
+    reduce over (a subgroup's when they all use one)."""
     try:
-        states = peer_states()
+        states = peer_states(group=_watched_group())
     except Exception:  # noqa: BLE001 - an error message must be built in any case
         return ""
     return describe_finished(states, rank) if states else ""

@@ -17,18 +17,21 @@ comparison (``offline``) while training goes on, as it would under torch DDP.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call, default_store
+from mini_ddp.engine.bounded_store import (
+    StoreUnanswered,
+    bounded_store_call,
+    default_store,
+    group_key_space,
+)
 
 logger = logging.getLogger("mini_ddp")
 
-_BOARDS = itertools.count()
 _POLL_S = 0.01
 
 
@@ -37,8 +40,7 @@ class RankBoard:
 
     def __init__(self, group: Any, rank: int, world_size: int, store: Any = None):
         self.rank, self.world_size = rank, world_size
-        name = getattr(group, "group_name", "default")
-        self._prefix = f"mini_ddp/board/{name}/{next(_BOARDS)}"
+        self._prefix = group_key_space("board", group)
         self._store = store
         self.offline = False  # the store stopped answering: every check skips from here
 

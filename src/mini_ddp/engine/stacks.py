@@ -124,31 +124,47 @@ class StackResponder:
     ``store`` is the prefixed store the askers use; the responder waits on a clone of it (its
     own connection). ``on_ask(stacks, request)`` runs in the thread after each answer — the
     flight recorder dumps there — and is held weakly, so the thread keeps nothing alive.
+
+    The thread opens its connections itself: each clone is a connect and handshake with the
+    store's server (milliseconds, more on a loaded host), which the model's constructor then
+    does not wait for. A store that cannot open a second connection (a ``HashStore``) leaves
+    the thread ended at once: nobody can ask this rank.
     """
 
     def __init__(self, store: Any, rank: int,
                  on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None):
         self.rank = rank
+        self.pid = os.getpid()  # the process whose thread this is (see stop)
         self._stop = threading.Event()
-        own = store.clone()  # raises for stores that cannot open a second connection
-        # stop() wakes the thread through a connection of its own: by then the process group,
-        # and the connection it shares, may be destroyed (see _join_responders_at_exit).
-        self._waker = store.clone()
+        # stop() wakes the thread through a connection of its own (the thread opens it, into
+        # this box): by then the process group, and the connection it shares, may be destroyed
+        # (see _join_responders_at_exit).
+        self._waker: list[Any] = []
+        self._connected = threading.Event()  # the thread has its connections, or has none
         callback = None if on_ask is None else weakref.WeakMethod(on_ask) \
             if hasattr(on_ask, "__self__") else (lambda: on_ask)
-        self.thread = threading.Thread(target=_serve, args=(own, rank, self._stop, callback),
-                                       name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
+        self.thread = threading.Thread(
+            target=_connect_and_serve,
+            args=(store, rank, self._stop, callback, self._waker, self._connected),
+            name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
         self.thread.start()
         _THREADS.add(self.thread)
 
     def stop(self) -> None:
-        """End the thread: set the stop flag, then wake its wait (idempotent, never raises)."""
-        if self._stop.is_set():
+        """End the thread: set the stop flag, then wake its wait (idempotent, never raises).
+
+        Only in the process that started it: a child forked from the rank has no such thread,
+        and its exit (or its copy of the model going) must not wake and end the parent's
+        through the store (nor write on the store connection it shares with the parent)."""
+        if self._stop.is_set() or os.getpid() != self.pid:
             return
         self._stop.set()
+        # Not connected yet: the thread sees the flag before it first waits, and ends.
+        if not self._connected.wait(STOP_S) or not self._waker:
+            return
         try:  # bounded: a frozen store must not hold up the model's deletion, or the exit
-            bounded_store_call(self._waker, lambda s: s.set(f"ask/{self.rank}",
-                                                            json.dumps({"stop": True})),
+            bounded_store_call(self._waker[0], lambda s: s.set(f"ask/{self.rank}",
+                                                               json.dumps({"stop": True})),
                                STOP_S, "waking the stack responder")
         except StoreUnanswered:  # the store is gone or frozen: the thread is a daemon
             pass
@@ -158,6 +174,16 @@ _RESPONDERS: weakref.WeakSet[StackResponder] = weakref.WeakSet()
 _THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _LAST_SERVE_END = [float("-inf")]  # monotonic time a responder thread last left _serve
 _THREAD_SETTLE_S = 0.25
+
+
+def _after_fork_in_child() -> None:
+    # A forked child has none of the parent's threads: nothing of them to stop or join.
+    _RESPONDERS.clear()
+    _THREADS.clear()
+    _LAST_SERVE_END[0] = float("-inf")
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
@@ -186,16 +212,30 @@ def _join_responders_at_exit() -> None:
 def start_responder(store: Any, rank: int, owner: Any,
                     on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None
                     ) -> StackResponder | None:
-    """A :class:`StackResponder` that stops when ``owner`` is garbage-collected (None when the
-    store cannot give the thread a connection of its own: then nobody can ask this rank)."""
+    """A :class:`StackResponder` that stops when ``owner`` is garbage-collected (None when no
+    thread could be started; one whose store cannot give it a connection of its own ends at
+    once: then nobody can ask this rank)."""
     try:
         responder = StackResponder(store, rank, on_ask)
-    except Exception as error:  # noqa: BLE001 - e.g. a HashStore: stacks just go unasked
+    except Exception as error:  # noqa: BLE001 - no thread: stacks just go unasked
         logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
         return None
     weakref.finalize(owner, responder.stop).atexit = False  # exit: _join_responders_at_exit
     _RESPONDERS.add(responder)
     return responder
+
+
+def _connect_and_serve(store: Any, rank: int, stop: threading.Event, callback: Any,
+                       waker: list[Any], connected: threading.Event) -> None:
+    try:
+        own = store.clone()
+        waker.append(store.clone())
+    except Exception as error:  # noqa: BLE001 - e.g. a HashStore: stacks just go unasked
+        logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
+        return
+    finally:
+        connected.set()
+    _serve(own, rank, stop, callback)
 
 
 def _serve(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:

@@ -35,7 +35,6 @@ rank never produced) and can raise instead of warn.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -50,6 +49,7 @@ from mini_ddp.engine.bounded_store import (
     StoreUnanswered,
     bounded_store_call,
     default_store,
+    group_key_space,
 )
 from mini_ddp.engine.flight_log import FlightLog, install_dump_signal
 from mini_ddp.engine.peers import PeerState, peer_states, watch
@@ -65,7 +65,6 @@ from mini_ddp.engine.stacks import (
 logger = logging.getLogger("mini_ddp")
 
 
-_SESSIONS = itertools.count()  # same sequence on every rank: monitors are made in lockstep
 ARRIVAL_GRACE_S = 2.0
 """How long a waiting rank gives its peers to leave their marks before naming those that did
 not: ranks that launched the bucket a little later reach the limit a little later too."""
@@ -164,8 +163,7 @@ class StallMonitor:
         except TypeError:  # a stand-in that cannot be weakly referenced (tests, tools)
             self._reducer = lambda: reducer
         self.limit_s = limit_s
-        group = getattr(process_group, "group_name", "default")
-        self._prefix = f"mini_ddp/stall/{group}/{next(_SESSIONS)}"
+        self._prefix = group_key_space("stall", process_group)
         self._store = store
         self._replaced: tuple[Any, float | None, Any] | None = None
         self._responder: StackResponder | None = None
@@ -286,7 +284,7 @@ class StallMonitor:
         """Each rank's last known state: its finish mark when it left one
         (:func:`mini_ddp.engine.peers.peer_states`), else ``"at step S"`` from its latest
         stall mark when it left one, else ``"unknown"``. Bounded; never raises."""
-        states = peer_states()
+        states = peer_states(group=getattr(self.reducer, "group", None))
         try:
             marks = self.marks()
         except StoreUnanswered:
@@ -316,7 +314,8 @@ class StallMonitor:
             late, dumped = "", {}
             if "timed out" in str(error).lower():
                 late, dumped = self.on_timeout(reducer, bucket)
-            states = {str(rank): asdict(state) for rank, state in peer_states().items()}
+            states = {str(rank): asdict(state) for rank, state in
+                      peer_states(group=getattr(reducer, "group", None)).items()}
             self.dump(f"collective failed: {type(error).__name__}: {error}", peer_states=states,
                       **dumped)
             return late

@@ -164,7 +164,9 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]], num_grads: int 
 
 def summarize_startup(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
     """Start-up times (:func:`~mini_ddp.tools.bench_models.time_startup`): per engine the
-    median over rounds of the slowest rank, in ms, and the paired ratio to torch DDP's."""
+    median over rounds of the slowest rank, in ms, and the paired ratio to torch DDP's
+    (``over_ddp``: the median of the rounds' ratios; ``over_ddp_range``: their lowest and
+    highest, so a reader can tell a difference from noise)."""
     names = list(per_rank[0])
     keys = list(per_rank[0][names[0]])
     rounds = len(per_rank[0][names[0]][keys[0]])
@@ -173,8 +175,12 @@ def summarize_startup(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict
     out: dict[str, Any] = {f"{k}_ms": {n: statistics.median(slowest[n][k]) * 1e3 for n in names}
                            for k in keys}
     if "torch_ddp" in names:
-        out["over_ddp"] = {k: {n: statistics.median(x / y for x, y in zip(
-            slowest[n][k], slowest["torch_ddp"][k], strict=True)) for n in names} for k in keys}
+        ratios = {k: {n: [x / y for x, y in zip(slowest[n][k], slowest["torch_ddp"][k],
+                                                 strict=True)] for n in names} for k in keys}
+        out["over_ddp"] = {k: {n: statistics.median(v) for n, v in per.items()}
+                           for k, per in ratios.items()}
+        out["over_ddp_range"] = {k: {n: (min(v), max(v)) for n, v in per.items()}
+                                 for k, per in ratios.items()}
     return out
 
 
@@ -307,13 +313,14 @@ def _startup_lines(results: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     lines = ["# start-up (median of rounds, slowest rank): model, ws, engine, construct ms, "
-             "first step ms, second step ms, each /ddp (paired)"]
+             "first step ms, second step ms, each /ddp (paired; lowest-highest round)"]
     for r in rows:
         st = r["startup"]
         for e in st["construct_ms"]:
-            ratio = st.get("over_ddp", {})
+            ratio, span = st.get("over_ddp", {}), st.get("over_ddp_range", {})
             cells = "  ".join(f"{st[k + '_ms'][e]:8.1f} " + (
-                f"{ratio[k][e]:5.2f}" if ratio else "    -")
+                f"{ratio[k][e]:5.2f} ({span[k][e][0]:.2f}-{span[k][e][1]:.2f})"
+                if ratio and span else f"{ratio[k][e]:5.2f}" if ratio else "    -")
                 for k in ("construct", "first_step", "second_step"))
             lines.append(f"  {r['model']:<18}{r['world_size']:>3} {e:<12} {cells}")
     return lines
@@ -374,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile (inductor, aot_eager, ...)")
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--startup-rounds", type=int, default=0,
+    p.add_argument("--startup-rounds", type=int, default=3,
                    help="also time wrapping a fresh model and its first two steps, this many "
                    "rounds per engine (0: not)")
     p.add_argument("--many-small", action="store_true",

@@ -27,19 +27,23 @@ The work runs in call order on a :class:`~mini_ddp.transport.serial_worker.Seria
 the caller (an autograd hook) never blocks: :meth:`SharedMemoryAllreduce.all_reduce` returns a
 future like ``dist.all_reduce(..., async_op=True).get_future()``. Only that thread uses the
 sockets, so its syncs never interleave with the main thread's collectives. A dead peer closes
-its end, so the next sync fails at once (a hung peer at the default group's timeout): a
+its end, so the next sync fails at once (a hung peer at the group's timeout): a
 :class:`~mini_ddp.errors.CollectiveError` on the future, and every later call fails at once.
 The segments are anonymous memory files (``memfd``), never
 named in ``/dev/shm`` or anywhere else: a peer maps one through the creator's open descriptor
 (``/proc/<pid>/fd``), which is closed as soon as every peer has mapped it, and the memory goes
 with the last mapping. So no file outlives the processes, whatever kills them and whenever —
-creation, mapping, renewal or use, under any launcher.
+creation, mapping, renewal or use, under any launcher. A child forked from a rank (a
+``DataLoader`` worker) disowns the transport at once: it closes its copies of the sockets and
+never uses or closes the parent's connections, buffers or thread.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -60,14 +64,20 @@ from mini_ddp.transport.shm_sum import ring_chunk, shm_supported, sum_chunk
 from mini_ddp.transport.shm_sync import (
     ALL_REDUCE,
     ALLOCATE,
+    NO_OFFER,
+    ChannelOffer,
     PeerSync,
     ShmDesyncError,
+    channel_offer,
     open_channel,
+    open_offer,
 )
 
 __all__ = [
     "FILE_PREFIX",
+    "NO_OFFER",
     "SHM_DIR",
+    "ChannelOffer",
     "SharedMemoryAllreduce",
     "ShmAllocationError",
     "ShmDesyncError",
@@ -78,6 +88,21 @@ __all__ = [
 _RELEASE_WAIT_S = 0.5
 """How long :meth:`SharedMemoryAllreduce.close` without ``wait`` gives queued work to finish
 before it leaves the socket to the process's end."""
+
+
+_LIVE: weakref.WeakSet[SharedMemoryAllreduce] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A child forked from a rank (a DataLoader worker, any forked helper) has no worker thread
+    # and is no rank of the transport: it must never talk on the parent's sockets, and its
+    # copies of them must not keep the parent's connections open after the parent is gone
+    # (the peers would then wait for the group's timeout instead of failing at once).
+    for transport in list(_LIVE):
+        transport.disown()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class SharedMemoryAllreduce:
@@ -109,16 +134,38 @@ class SharedMemoryAllreduce:
             failed_error=lambda err: ShmError(
                 f"mini_ddp: rank {rank}: the shared-memory all-reduce transport failed "
                 f"earlier and cannot be used: {err}"))
+        self.pid = os.getpid()  # the rank's process; a forked child disowns the transport
+        _LIVE.add(self)
 
     # ----------------------------------------------------------------------------- creation
     @classmethod
     def create(cls, group: dist.ProcessGroup | None = None) -> SharedMemoryAllreduce | None:
-        """A transport for the default group, or None on every rank when it cannot work.
+        """A transport for ``group`` (None: the default group), or None on every rank of it
+        when it cannot work.
 
-        Collective: every rank of the default group must call it, and all get the same answer
-        (:func:`~mini_ddp.transport.shm_sync.open_channel` says when a transport works).
+        Collective on ``group``: every rank of it must call it, and all get the same answer
+        (:func:`~mini_ddp.transport.shm_sync.open_channel` says when a transport works); ranks
+        outside the group take no part. Its ranks are the group's ranks.
         """
         opened = open_channel(group)
+        return None if opened is None else cls(*opened)
+
+    @staticmethod
+    def offer(group: dist.ProcessGroup | None = None) -> ChannelOffer | None:
+        """This rank's half of a transport on ``group``, for a caller that carries
+        :attr:`ChannelOffer.fields` (or :data:`NO_OFFER` where it has none) in an all-gather
+        of its own, then calls :meth:`from_offer`. Local; None on every rank of the group when
+        no transport can work there."""
+        return channel_offer(group)
+
+    @classmethod
+    def from_offer(cls, offer: ChannelOffer | None, rows: list[list[int]] | None
+                   ) -> SharedMemoryAllreduce | None:
+        """The transport of ``offer`` (from :meth:`offer`), given every group rank's offer
+        fields ``rows`` (None: exchange them now, an all-gather on the offer's group); None on
+        every rank when any rank had no offer or cannot join. Collective on the group, as
+        :meth:`create` (whose two votes it runs); the offer is closed in any case."""
+        opened = open_offer(offer, rows)
         return None if opened is None else cls(*opened)
 
     # ----------------------------------------------------------------------------- public API
@@ -218,8 +265,13 @@ class SharedMemoryAllreduce:
         Later calls of :meth:`allocate` and :meth:`all_reduce` raise :class:`ShmError`.
         ``wait=False`` does not wait for the worker (it may be stuck on a dead peer): for
         finalizers, which must not block; it gives queued work half a second to finish before
-        it closes the sockets (otherwise they go with the process).
+        it closes the sockets (otherwise they go with the process). In a child forked from
+        the rank it does nothing more than :meth:`disown` (the worker and the buffers are the
+        parent's; its lock may have been held by the parent's worker at the fork).
         """
+        if os.getpid() != self.pid:
+            self.disown()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -234,6 +286,15 @@ class SharedMemoryAllreduce:
             time.sleep(0.001)
         if drained.done():
             self._sync.release()
+
+    def disown(self) -> None:
+        """In a child forked from the rank: close this process's copies of the sockets (the
+        parent's connections stay as they are) and refuse every later call. Local; the worker
+        thread, the buffers and the peers are the parent's, and are left alone."""
+        if os.getpid() == self.pid:
+            return
+        self._closed = True  # no lock: a forked child runs only this thread
+        self._sync.release()
 
     # ----------------------------------------------------------------------------- internals
     def _check_open(self, what: str) -> None:

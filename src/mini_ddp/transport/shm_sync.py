@@ -1,10 +1,11 @@
 """The shared-memory all-reduce's handshakes: a few integers each way over private sockets.
 
-:func:`open_channel` decides, collectively, whether the transport can work at all (Gloo ranks
-that see the same ``/dev/shm``) and connects every two of the processes by a Unix-domain
-socket; :class:`PeerSync` runs the *ready* check (all ranks at the same call:
-:class:`ShmDesyncError` on all otherwise) and the *agree* votes around each allocation and
-sum, and exchanges the descriptors through which each rank maps the others' segments
+:func:`open_channel` decides, collectively on the transport's process group, whether the
+transport can work at all (Gloo ranks that see the same ``/dev/shm``) and connects every two of
+the group's processes by a Unix-domain socket (its two halves, :func:`channel_offer` and
+:meth:`ChannelOffer.open`, let a caller carry the offers in an all-gather of its own);
+:class:`PeerSync` runs the *ready* check (all ranks at the same call: :class:`ShmDesyncError`
+on all otherwise) and the *agree* votes around each allocation and sum, and exchanges the descriptors through which each rank maps the others' segments
 (:mod:`mini_ddp.transport.shm_files`). Socket failures (a closed connection, the timeout)
 become :class:`~mini_ddp.errors.CollectiveError`.
 """
@@ -71,11 +72,10 @@ def _dtype_name(code: int) -> str:
     return str(_DTYPES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPES) else "?"
 
 
-def _default_timeout() -> datetime.timedelta:
-    """The default group's collective timeout (torch's default when it cannot be read)."""
+def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """``group``'s collective timeout (torch's default when it cannot be read)."""
     try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        timeout = backend.options._timeout
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError):  # private API: degrade to torch's default
         return dist.default_pg_timeout
     return timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
@@ -135,84 +135,156 @@ def _address(nonce: int) -> str:
     return f"\0{FILE_PREFIX}{nonce:016x}"
 
 
-def open_channel(group: dist.ProcessGroup | None
-                 ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
-    """``(channel, rank, token, {peer rank: pid})`` for a transport, or None on every rank.
+OFFER_FIELDS = 6
+"""How many integers each rank contributes to a channel's start-up exchange
+(:attr:`ChannelOffer.fields`)."""
+NO_OFFER = (0,) * OFFER_FIELDS
+"""What a rank without an offer contributes instead (pid 0): then no rank opens a channel."""
 
-    Collective on the default group, the same answer on all ranks: a transport only if
-    ``group`` is None or the default group, the default group is Gloo with 2 ranks or more, and
-    a probe shows that every rank can map rank 0's segments (rank 0 puts a random secret in a
-    memory file, the others read it back through ``/proc/<pid>/fd``: same machine, same pid
-    namespace, access allowed). The channel is a Unix-domain socket between every two of the
-    processes (abstract addresses, so no file; each end checks the other's pid with
-    ``SO_PEERCRED``), with the default group's timeout. Every check is agreed with an
-    all-reduce MIN.
+
+def channel_offer(group: dist.ProcessGroup | None) -> ChannelOffer | None:
+    """This rank's half of opening a channel on ``group`` (None: the default group), or None
+    on every rank of the group when no transport can work there.
+
+    Local: whether one can work at all is equal on every rank of ``group`` by construction
+    (an initialised Gloo group of 2 ranks or more that this rank belongs to); whether it does
+    is agreed by :meth:`ChannelOffer.open`.
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
-    # Equal on every rank by construction, so no collective is needed to agree on these.
-    world = dist.get_world_size()
-    if world < 2 or dist.get_backend() != "gloo":
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_rank(group) < 0 or dist.get_world_size(group) < 2 \
+            or dist.get_backend(group) != "gloo":
         return None
-    rank = dist.get_rank()
-    wanted = group is None or group is dist.group.WORLD
-    # What each rank tells the others, in one all-reduce SUM (each fills its own fields):
-    # [token, secret, secret, probe fd (rank 0), pid of each rank..., listening nonce of each].
-    shared = torch.zeros(4 + 2 * world, dtype=torch.int64)
-    timeout_s = _default_timeout().total_seconds()
-    fd, listener, socks = -1, None, {}
-    try:
+    return ChannelOffer(group)
+
+
+class ChannelOffer:
+    """One rank's half of opening a transport's channel on a group, before the exchange.
+
+    Made by :func:`channel_offer`: it listens on a fresh abstract Unix-socket address (no file),
+    and on group rank 0 it draws the transport's token and a secret and puts the secret in a
+    probe memory file. :attr:`fields` (:data:`OFFER_FIELDS` integers: this process's pid, the
+    address's nonce, then on group rank 0 the token, the secret's two halves and the probe's
+    descriptor, zeros elsewhere) must reach every rank of the group in an all-gather, which
+    the caller may share with another start-up check; :meth:`open` then connects the ranks.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.timeout_s = _group_timeout(group).total_seconds()
+        self._fd, self._listener = -1, None
         nonce = secrets.randbits(63)
         try:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(_address(nonce))
-            listener.listen(world)
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(_address(nonce))
+            self._listener.listen(self.world)
         except OSError:
-            nonce = 0  # no listener: the vote below says no
-        if rank == 0:
-            shared[:3] = torch.tensor([secrets.randbits(63) for _ in range(3)])
+            nonce = 0  # no listener: the vote in open() says no
+        shared = [0, 0, 0, -1]
+        if self.rank == 0:
+            shared[:3] = [secrets.randbits(63) for _ in range(3)]
             token, secret = _token_and_secret(shared)
             try:
-                fd = create_probe(f"{FILE_PREFIX}{token}_probe", secret)
+                self._fd = create_probe(f"{FILE_PREFIX}{token}_probe", secret)
             except (OSError, AttributeError):  # AttributeError: no memfd_create (not Linux)
-                fd = -1
-            shared[3] = fd
-        shared[4 + rank] = os.getpid()
-        shared[4 + world + rank] = nonce
-        dist.all_reduce(shared)
-        token, secret = _token_and_secret(shared)
-        probe_fd = int(shared[3])
-        pids = [int(p) for p in shared[4:4 + world]]
-        nonces = [int(n) for n in shared[4 + world:]]
-        ok = wanted and probe_fd >= 0 and all(nonces)
-        if ok and rank > 0:
-            try:
-                ok = read_probe(pids[0], probe_fd, f"{FILE_PREFIX}{token}_probe") == secret
-            except OSError:
-                ok = False
-        # Before the vote, so that each lower rank's accept below finds the connections
-        # queued: every rank connects to the ranks below it.
-        for lower in range(rank if ok else 0):
-            sock = _connect(_address(nonces[lower]), pids[lower], timeout_s)
-            if sock is None:
-                ok = False
-                break
-            socks[lower] = sock
-        if _agreed(ok) and rank < world - 1:
-            accepted = _accept(listener, pids[rank + 1:], timeout_s)
-            if accepted is not None:
-                socks.update({pids.index(pid): sock for pid, sock in accepted.items()})
-        if not _agreed(len(socks) == world - 1):
-            return None
-        peer_pids = {r: pids[r] for r in range(world) if r != rank}
-        channel, socks = PeerSync(socks, rank, peer_pids, timeout_s), {}
-        return channel, rank, token, peer_pids
-    finally:
-        close_quietly(fd)
-        if listener is not None:
-            listener.close()
-        for sock in socks.values():  # not handed to a channel
-            sock.close()
+                self._fd = -1
+            shared[3] = self._fd
+        self.fields: list[int] = [os.getpid(), nonce, *shared]
+
+    def open(self, rows: Sequence[Sequence[int]]
+             ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
+        """``(channel, rank, token, {peer rank: pid})``, or None on every rank of the group.
+
+        ``rows``: every group rank's :attr:`fields`, in group-rank order. Collective on the
+        group: two all-reduce MIN votes — none when a row is :data:`NO_OFFER` (a rank that
+        does not want a transport: every rank sees the same rows, so none opens one). The first agrees that every rank can map group rank
+        0's memory (each reads the probe's secret back through ``/proc/<pid>/fd``: same
+        machine, same pid namespace, access allowed) and has connected to the ranks below it;
+        the second that every rank has a socket to every other (each end checks the other's
+        pid with ``SO_PEERCRED``). The channel's sockets have the group's timeout. Whatever
+        the outcome, the offer's listener and probe are closed.
+        """
+        rank, world, timeout_s = self.rank, self.world, self.timeout_s
+        socks: dict[int, socket.socket] = {}
+        try:
+            if any(int(row[0]) == 0 for row in rows):
+                return None
+            pids = [int(row[0]) for row in rows]
+            nonces = [int(row[1]) for row in rows]
+            token, secret = _token_and_secret(rows[0][2:5])
+            probe_fd = int(rows[0][5])
+            ok = len(rows) == world and probe_fd >= 0 and all(nonces)
+            if ok and rank > 0:
+                try:
+                    ok = read_probe(pids[0], probe_fd, f"{FILE_PREFIX}{token}_probe") == secret
+                except OSError:
+                    ok = False
+            # Before the vote, so that each lower rank's accept below finds the connections
+            # queued: every rank connects to the ranks below it.
+            for lower in range(rank if ok else 0):
+                sock = _connect(_address(nonces[lower]), pids[lower], timeout_s)
+                if sock is None:
+                    ok = False
+                    break
+                socks[lower] = sock
+            if _agreed(ok, self.group) and rank < world - 1:
+                accepted = _accept(self._listener, pids[rank + 1:], timeout_s)
+                if accepted is not None:
+                    socks.update({pids.index(pid): sock for pid, sock in accepted.items()})
+            if not _agreed(len(socks) == world - 1, self.group):
+                return None
+            peer_pids = {r: pids[r] for r in range(world) if r != rank}
+            channel, socks = PeerSync(socks, rank, peer_pids, timeout_s), {}
+            return channel, rank, token, peer_pids
+        finally:
+            self.close()
+            for sock in socks.values():  # not handed to a channel
+                sock.close()
+
+    def close(self) -> None:
+        """Close the listener and the probe (idempotent)."""
+        close_quietly(self._fd)
+        self._fd = -1
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def exchange_offers(group: dist.ProcessGroup, fields: Sequence[int]) -> list[list[int]]:
+    """Every group rank's ``fields`` (as many on each), in group-rank order: one all-gather
+    on ``group``."""
+    mine = torch.tensor(list(fields), dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    return [row.tolist() for row in rows]
+
+
+def open_channel(group: dist.ProcessGroup | None
+                 ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
+    """``(channel, rank, token, {peer rank: pid})`` for a transport on ``group`` (None: the
+    default group), or None on every rank of it.
+
+    Collective on ``group`` (an all-gather of the ranks' :class:`ChannelOffer` fields, then
+    the offer's two votes); ranks outside it take no part. The ranks are the group's ranks.
+    """
+    return open_offer(channel_offer(group), None)
+
+
+def open_offer(offer: ChannelOffer | None, rows: Sequence[Sequence[int]] | None
+               ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
+    """:meth:`ChannelOffer.open` with ``rows``, exchanged first when None (an all-gather on the
+    offer's group); None at once without an offer. The offer is closed in any case."""
+    if offer is None:
+        return None
+    try:
+        if rows is None:
+            rows = exchange_offers(offer.group, offer.fields)
+    except BaseException:
+        offer.close()
+        raise
+    return offer.open(rows)
 
 
 _PEER_EXIT_S = 1.0
@@ -228,16 +300,16 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _token_and_secret(shared: torch.Tensor) -> tuple[str, bytes]:
+def _token_and_secret(shared: Sequence[int]) -> tuple[str, bytes]:
     """The transport's token (hex, for labels and the socket's address) and the probe's secret,
-    from the first three random fields rank 0 shares."""
+    from the three random fields group rank 0 shares."""
     return f"{int(shared[0]):016x}", struct.pack("<2q", int(shared[1]), int(shared[2]))
 
 
-def _agreed(ok: bool) -> bool:
-    """Whether ``ok`` holds on every rank (an all-reduce MIN on the default group)."""
+def _agreed(ok: bool, group: dist.ProcessGroup) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (an all-reduce MIN on it)."""
     flag = torch.tensor([int(ok)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -247,7 +319,7 @@ class PeerSync:
     Every sync is one :meth:`exchange`: each rank sends a few integers to every peer and
     receives theirs (a round trip of a Unix-domain socket, tens of microseconds, where a Gloo
     collective costs hundreds). A dead peer closes its end, so a waiting rank fails at once; a
-    hung one fails at the default group's timeout.
+    hung one fails at the group's timeout.
     """
 
     def __init__(self, socks: dict[int, socket.socket], rank: int, peer_pids: dict[int, int],
