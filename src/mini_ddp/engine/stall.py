@@ -68,6 +68,10 @@ logger = logging.getLogger("mini_ddp")
 ARRIVAL_GRACE_S = 2.0
 """How long a waiting rank gives its peers to leave their marks before naming those that did
 not: ranks that launched the bucket a little later reach the limit a little later too."""
+FINISH_GRACE_S = 3.0
+"""How long a rank whose collective failed waits for the peers without a finish mark to leave
+one before it dumps: a rank that finished frees its model (closing its connections) a moment
+before its exit writes the mark."""
 MAX_ASKED = 4
 """Late ranks asked for their stacks per report (the lowest ranks): the store load of a report
 stays bounded however many ranks are late, and four stacks are as many as a reader follows."""
@@ -296,6 +300,21 @@ class StallMonitor:
                                          time=mark["time"])
         return states
 
+    @staticmethod
+    def _settled_peer_states(reducer: Any) -> dict[int, PeerState]:
+        """The peers' finish marks after a failed collective, waiting up to
+        :data:`FINISH_GRACE_S` for a peer that has none yet (a finished rank's connections
+        close before its mark is written; a dead rank's never comes: bounded)."""
+        group = getattr(reducer, "group", None)
+        deadline = time.monotonic() + FINISH_GRACE_S
+        while True:
+            states = peer_states(group=group)
+            unknown = [r for r, state in states.items()
+                       if r != reducer.rank and state.state == "unknown"]
+            if not unknown or time.monotonic() >= deadline:
+                return states
+            time.sleep(0.1)
+
     # ---- the report -------------------------------------------------------------------------
     def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> str | None:
         """The reducer's stall seam: after ``limit_s`` without an answer (``error`` None), or
@@ -315,7 +334,7 @@ class StallMonitor:
             if "timed out" in str(error).lower():
                 late, dumped = self.on_timeout(reducer, bucket)
             states = {str(rank): asdict(state) for rank, state in
-                      peer_states(group=getattr(reducer, "group", None)).items()}
+                      self._settled_peer_states(reducer).items()}
             self.dump(f"collective failed: {type(error).__name__}: {error}", peer_states=states,
                       **dumped)
             return late
