@@ -16,9 +16,9 @@ from torch import nn
 
 from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
 from mini_ddp.engine.config import process_group_timeout_s
-from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.observe.watchdog import StallWatchdog
 from mini_ddp.transport.wait import wait_done
+from mini_ddp.watch.stall import StallMonitor
 
 LATE_RANK, LATE_S, WARN_S = 1, 3.0, 0.5
 

@@ -6,14 +6,14 @@ it: tracing and layout explanations, stall and desync detection, teaching collec
 rank harness the tests and tools are built on.
 """
 
+from mini_ddp.checks.fingerprint import SyncMismatchError
+from mini_ddp.checks.grad_watch import WrapperBypassedError
+from mini_ddp.checks.replicas import ReplicasDifferError
 from mini_ddp.engine.comm import ParameterMismatchError
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.fingerprint import SyncMismatchError
-from mini_ddp.engine.grad_watch import WrapperBypassedError
 from mini_ddp.engine.hooks import CommHookTimeout, GradBucket, gloo_safe
 from mini_ddp.engine.model import DataParallelModel
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
-from mini_ddp.engine.replicas import ReplicasDifferError
 from mini_ddp.errors import (
     CollectiveError,
     CollectiveMismatchError,

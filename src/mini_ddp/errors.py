@@ -212,7 +212,7 @@ _PEER_READERS: list[Callable[[int], str]] = []
 
 def explain_peers_with(reader: Callable[[int], str]) -> None:
     """Make :class:`CollectiveError` ask ``reader(rank)`` what the other ranks did (the
-    engine's :func:`mini_ddp.engine.peers.explain_peers`: who finished, who failed). This
+    engine's :func:`mini_ddp.watch.peers.explain_peers`: who finished, who failed). This
     module is the lowest layer, so the reader is handed in rather than imported."""
     if reader not in _PEER_READERS:
         _PEER_READERS.append(reader)

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from mini_ddp.checks.debug import SyncChecks, debug_requested
 from mini_ddp.engine import join as joining
 from mini_ddp.engine.buckets import expect_sparse_gradients
 from mini_ddp.engine.comm import (
@@ -49,9 +50,7 @@ from mini_ddp.engine.comm import (
     verify_params_across_ranks,
 )
 from mini_ddp.engine.config import MIB, DataParallelConfig
-from mini_ddp.engine.debug import SyncChecks, debug_requested
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
-from mini_ddp.engine.flight_log import FlightLog
 from mini_ddp.engine.hooks import (
     CommHook,
     builtin_comm_hook,
@@ -66,7 +65,6 @@ from mini_ddp.engine.mixed_precision import (
 )
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.reducer import Reducer
-from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.engine.torch_api import (
     MODEL_REFUSAL,
     TORCH_INTERNALS,
@@ -77,6 +75,8 @@ from mini_ddp.engine.torch_api import (
 )
 from mini_ddp.errors import MiniDDPError, naming_collective
 from mini_ddp.transport.shm import SharedMemoryAllreduce
+from mini_ddp.watch.flight_log import FlightLog
+from mini_ddp.watch.stall import StallMonitor
 
 logger = logging.getLogger("mini_ddp")
 
@@ -128,7 +128,7 @@ class DataParallelModel(DistributedDataParallel):
     ``debug`` — mini_ddp's debug switch (None: ``MINI_DDP_DEBUG=1`` or
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turn it on): the classic mistakes named with their fix;
     ``replica_check_every`` — compare the ranks' parameters, buffers and modes every this many
-    steps (100; None: off). See docs/debugging.md and :mod:`mini_ddp.engine.debug`;
+    steps (100; None: off). See docs/debugging.md and :mod:`mini_ddp.checks.debug`;
     ``grouped_hooks`` — once the gradient order is known, one autograd hook per group of
     gradients instead of one per gradient (default True; same bits, see
     :mod:`mini_ddp.engine.hook_groups`).

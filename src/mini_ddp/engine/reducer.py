@@ -253,7 +253,7 @@ class Reducer(TorchReducerAPI):
     ``step`` (:class:`StepState`) and ``unused_search``.
     """
 
-    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.flight_log.FlightLog), or None
+    flight: Any = None  # the flight recorder's ring (mini_ddp.watch.flight_log.FlightLog), or None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
@@ -273,7 +273,7 @@ class Reducer(TorchReducerAPI):
         self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
         # The stall seam: on_stall(reducer, bucket, error) is called once a wait passes
         # stall_after_s (error None) and when a collective fails. The model installs the default
-        # warning there (mini_ddp.engine.stall); mini_ddp.observe.watchdog replaces it.
+        # warning there (mini_ddp.watch.stall); mini_ddp.observe.watchdog replaces it.
         self.on_stall: OnStall | None = None
         self.stall_after_s: float | None = None
         # The timeout seam: on_timeout(reducer, bucket) -> (lines for the GradSyncTimeout

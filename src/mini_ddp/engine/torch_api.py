@@ -37,8 +37,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from mini_ddp.engine.device_timer import DeviceTimer, timer_for
 from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook
+from mini_ddp.watch.device_timer import DeviceTimer, timer_for
 
 # ==== the logging data: _get_ddp_logging_data() ===============================================
 # torch DDP's C++ logger fills a dict of strings and integers: construction arguments, the
@@ -50,7 +50,7 @@ from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook
 # written back), the four durations between them and their running averages — integers in
 # nanoseconds, as torch's — and ``prev_iteration_grad_ready_order_indices``. On a GPU the
 # durations come, as from torch's CUDA timer, from CUDA events recorded beside the host
-# timestamps (:class:`~mini_ddp.engine.device_timer.DeviceTimer`): a host clock on a GPU only
+# timestamps (:class:`~mini_ddp.watch.device_timer.DeviceTimer`): a host clock on a GPU only
 # sees launches. The five ``*_start``/``*_end`` timestamps stay host times, as torch's.
 #
 # Runtime statistics are sampled like DDP's: the first ten iterations, then one iteration in

@@ -1,7 +1,7 @@
 """The flight recorder, from the user's side: where a model's dumps go, dump now, read them.
 
 Every ``DataParallelModel`` with the stall warning on (the default) keeps its last collectives
-in a ring (:class:`mini_ddp.engine.flight_log.FlightLog`) and dumps it on a stall warning, a
+in a ring (:class:`mini_ddp.watch.flight_log.FlightLog`) and dumps it on a stall warning, a
 ``GradSyncTimeout``, a failed collective, or SIGUSR1 (with ``MINI_DDP_FLIGHT_SIGNAL=1``). ::
 
     from mini_ddp.observe.flight_recorder import dump, flight_recorder
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mini_ddp.engine.flight_log import FlightLog
+from mini_ddp.watch.flight_log import FlightLog
 
 __all__ = ["dump", "flight_recorder", "read_dumps"]
 

@@ -15,13 +15,13 @@ naming the rank and the parameters; the rank at fault raises the same report at 
 forward. With ``action="warn"`` the report is logged and waiting goes on (for up to
 ``sync_timeout_s`` more, then :class:`~mini_ddp.errors.GradSyncTimeout`).
 
-Built on :class:`mini_ddp.engine.stall.StallMonitor`, the warning every model has by default
+Built on :class:`mini_ddp.watch.stall.StallMonitor`, the warning every model has by default
 (``stall_warning_s``): that one marks only once a wait is slow, so it can name a rank that has
 not arrived but not the parameters it never produced. The watchdog replaces it while installed
 and puts it back on ``remove()``.
 
 Cost when installed: a store write per bucket launch and per step (each run off the
-training thread with a deadline: :func:`mini_ddp.engine.bounded_store.bounded_store_call`);
+training thread with a deadline: :func:`mini_ddp.watch.bounded_store.bounded_store_call`);
 nothing when not installed.
 """
 
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from mini_ddp.engine.bounded_store import StoreUnanswered
-from mini_ddp.engine.stall import StallMonitor, StallReport, holds_up
 from mini_ddp.errors import MiniDDPError
 from mini_ddp.observe.tracing import attach, detach
+from mini_ddp.watch.bounded_store import StoreUnanswered
+from mini_ddp.watch.stall import StallMonitor, StallReport, holds_up
 
 __all__ = ["StallError", "StallReport", "StallWatchdog", "holds_up"]
 

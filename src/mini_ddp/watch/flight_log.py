@@ -45,7 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mini_ddp.engine.stacks import thread_stacks
+from mini_ddp.watch.stacks import thread_stacks
 
 logger = logging.getLogger("mini_ddp")
 

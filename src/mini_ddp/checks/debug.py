@@ -1,7 +1,7 @@
 """mini_ddp's debug switch, and the checks a model runs with and without it.
 
 **Always on** (nearly free, docs/debugging.md has the figure): the replica check
-(:mod:`mini_ddp.engine.replicas` — identical data on every rank at step 1; parameters, buffers,
+(:mod:`mini_ddp.checks.replicas` — identical data on every rank at step 1; parameters, buffers,
 train/eval modes and parameter sets compared at step 1 and every ``replica_check_every``
 steps), a WARNING when something differs.
 
@@ -9,12 +9,12 @@ steps), a WARNING when something differs.
 ``MINI_DDP_DEBUG=1``, or torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` — adds what costs a
 store round trip or a pass over every gradient per step:
 
-* collective fingerprints (:mod:`mini_ddp.engine.fingerprint`): an extra forward through the
+* collective fingerprints (:mod:`mini_ddp.checks.fingerprint`): an extra forward through the
   wrapper on one rank, uneven inputs, a collective on some ranks only — named before the
   collective that would pair wrongly;
-* the local-gradient watch (:mod:`mini_ddp.engine.grad_watch`): the rank and parameter where a
+* the local-gradient watch (:mod:`mini_ddp.checks.grad_watch`): the rank and parameter where a
   NaN/Inf first appeared, a training forward that bypasses the wrapper;
-* the replica check raises :class:`~mini_ddp.engine.replicas.ReplicasDifferError` instead of
+* the replica check raises :class:`~mini_ddp.checks.replicas.ReplicasDifferError` instead of
   warning.
 
 With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch's ``ProcessGroupWrapper`` checks every
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mini_ddp.engine.fingerprint import Fingerprints
-from mini_ddp.engine.grad_watch import GradWatch
-from mini_ddp.engine.rank_board import RankBoard
-from mini_ddp.engine.replicas import ReplicaCheck
-from mini_ddp.engine.stacks import ask_stacks
+from mini_ddp.checks.fingerprint import Fingerprints
+from mini_ddp.checks.grad_watch import GradWatch
+from mini_ddp.checks.rank_board import RankBoard
+from mini_ddp.checks.replicas import ReplicaCheck
+from mini_ddp.watch.stacks import ask_stacks
 
 ENV = "MINI_DDP_DEBUG"
 SWITCH = "MINI_DDP_DEBUG=1 (or DataParallelModel(debug=True), or TORCH_DISTRIBUTED_DEBUG=DETAIL)"

@@ -11,17 +11,17 @@ waits for the process group's timeout, and so does ``sync_timeout_s`` by default
 
 The report runs in a thread of its own, from a snapshot of the rank's state taken as the wait
 passes the limit, and every store call it makes has a deadline
-(:func:`mini_ddp.engine.bounded_store.bounded_store_call`): the wait, its deadline and training
+(:func:`mini_ddp.watch.bounded_store.bounded_store_call`): the wait, its deadline and training
 go on exactly as without the warning, and a store that is slow, frozen or gone costs one log
 line ("the rendezvous store did not answer within 2 s: no stall report this time"). As each
 rank's models are watched, the rank also leaves a mark as it finishes
-(:mod:`mini_ddp.engine.peers`), so that a peer that finished is not reported as dead.
+(:mod:`mini_ddp.watch.peers`), so that a peer that finished is not reported as dead.
 
 This is Horovod's stall check, without its coordinator: each waiting rank asks the store.
 It then asks each late rank *where* it is — its Python stacks, answered by the rank's stack
-responder thread (:class:`mini_ddp.engine.stacks.StackResponder`) through the same store — and puts
+responder thread (:class:`mini_ddp.watch.stacks.StackResponder`) through the same store — and puts
 them in the report, or says the rank did not answer (native code holding the GIL, or dead).
-Every rank involved writes its flight recorder dump (:class:`mini_ddp.engine.flight_log.FlightLog`), for
+Every rank involved writes its flight recorder dump (:class:`mini_ddp.watch.flight_log.FlightLog`), for
 ``python -m mini_ddp doctor DIR``.
 
 Cost on the happy path: nothing per step — no collective, no store access; the store is used
@@ -45,15 +45,15 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mini_ddp.engine.bounded_store import (
+from mini_ddp.watch.bounded_store import (
     STORE_CALL_S,
     StoreUnanswered,
     bounded_store_call,
     default_store,
 )
-from mini_ddp.engine.flight_log import FlightLog, install_dump_signal
-from mini_ddp.engine.peers import PeerState, peer_states, watch
-from mini_ddp.engine.stacks import (
+from mini_ddp.watch.flight_log import FlightLog, install_dump_signal
+from mini_ddp.watch.peers import PeerState, peer_states, watch
+from mini_ddp.watch.stacks import (
     ANSWER_S,
     TIMEOUT_ANSWER_S,
     StackResponder,
@@ -284,7 +284,7 @@ class StallMonitor:
 
     def peer_states(self) -> dict[int, PeerState]:
         """Each rank's last known state: its finish mark when it left one
-        (:func:`mini_ddp.engine.peers.peer_states`), else ``"at step S"`` from its latest
+        (:func:`mini_ddp.watch.peers.peer_states`), else ``"at step S"`` from its latest
         stall mark when it left one, else ``"unknown"``. Bounded; never raises."""
         states = peer_states()
         try:

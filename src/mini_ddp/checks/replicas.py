@@ -19,12 +19,12 @@ every :class:`~mini_ddp.engine.model.DataParallelModel` unless ``replica_check_e
 
 Neither runs a collective (one on the model's group could pair with another rank's and hang a
 job that is already out of step): the ranks post their hashes on a
-:class:`~mini_ddp.engine.rank_board.RankBoard` and read the others' at the next synchronised
+:class:`~mini_ddp.checks.rank_board.RankBoard` and read the others' at the next synchronised
 forward, by which time every peer has posted — its backward could not have finished without
 this rank's. Cost: hashing the parameters once per check (two integer sums over their bits),
 one store ``set`` and one ``check`` + ``get`` per rank; docs/debugging.md has the measured
 figure. By default a difference is a WARNING on the ``"mini_ddp"`` logger, once per kind; under
-mini_ddp's debug switch (:func:`mini_ddp.engine.debug.debug_requested`) it raises
+mini_ddp's debug switch (:func:`mini_ddp.checks.debug.debug_requested`) it raises
 :class:`ReplicasDifferError` on every rank.
 """
 
