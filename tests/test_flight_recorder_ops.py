@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.observe.flight_recorder import dump, flight_recorder, read_dumps
 from mini_ddp.tools.doctor import diagnose
-from mini_ddp.watch.flight_log import TORCH_PREFIX
+from mini_ddp.watch.flight_log import TORCH_PREFIX, dump, flight_recorder, read_dumps
 
 
 class BranchyBN(nn.Module):

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import DataParallelModel
-from mini_ddp.observe.flight_recorder import flight_recorder
 from mini_ddp.training.launch import LOOPBACK, keep_gloo_on_loopback
+from mini_ddp.watch.flight_log import flight_recorder
 
 SLOW_S = 4.0
 STEPS = 4

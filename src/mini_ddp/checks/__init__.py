@@ -6,3 +6,6 @@ collectives compared), :mod:`.grad_watch` (gradients that never came or are not 
 training forward that bypassed the wrapper), over :mod:`.rank_board` (the store the ranks
 compare through). Imports the engine and :mod:`mini_ddp.watch`; the engine never imports it.
 """
+
+# Importing the layer registers what every model wears (mini_ddp.engine.observer).
+from mini_ddp.checks import debug  # noqa: E402, F401

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -245,3 +246,17 @@ def format_bytes(nbytes: int | None) -> str:
 
 def _mib(nbytes: int | None) -> str:
     return f"{format_bytes(nbytes)} ({nbytes or 0:,} bytes)"
+
+
+DEBUG_ENV = "MINI_DDP_DEBUG"
+"""The environment variable of mini_ddp's debug switch (:mod:`mini_ddp.checks.debug`)."""
+
+
+def debug_requested(explicit: bool | None = None) -> bool:
+    """The switch: ``explicit`` when given, else ``MINI_DDP_DEBUG`` (anything but empty or
+    ``0``), else whether torch's ``TORCH_DISTRIBUTED_DEBUG`` is ``DETAIL``."""
+    if explicit is not None:
+        return explicit
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        return True
+    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"

@@ -22,8 +22,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from mini_ddp.observe.flight_recorder import read_dumps
-from mini_ddp.watch.flight_log import BUCKET_OP, OPS
+from mini_ddp.watch.flight_log import BUCKET_OP, OPS, read_dumps
 from mini_ddp.watch.stacks import describe_answer, format_stacks
 
 

@@ -8,3 +8,6 @@ collectives and its dumps), :mod:`.peers` (finish marks: who finished, who faile
 timestamps). Imports the engine, :mod:`mini_ddp.transport` and :mod:`mini_ddp.errors`; the
 engine never imports it (it reports through :mod:`mini_ddp.engine.observer`).
 """
+
+# Importing the layer registers what every model wears (mini_ddp.engine.observer).
+from mini_ddp.watch import device_timer, stall  # noqa: E402, F401
