@@ -36,7 +36,7 @@ from mini_ddp.checks.grad_watch import GradWatch
 from mini_ddp.checks.rank_board import RankBoard
 from mini_ddp.checks.replicas import ReplicaCheck
 from mini_ddp.engine import observer
-from mini_ddp.engine.config import DEBUG_ENV
+from mini_ddp.engine.config import DEBUG_ENV, debug_requested  # noqa: F401  (the switch, here too)
 from mini_ddp.watch.stacks import ask_stacks
 
 ENV = DEBUG_ENV
