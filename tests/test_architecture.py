@@ -67,3 +67,16 @@ def test_the_picture_command_writes_a_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "engine -> transport" in out and "ladder -> engine" not in out  # ladder: torch only
+
+
+def test_the_engine_is_the_gradients_path_and_imports_nothing_above_it():
+    # The layers that watch or check the engine (watch/, checks/, observe/) sit above it and
+    # reach it through engine/observer.py; the engine imports only itself, transport/ and
+    # errors.py, and keeps at most 15 modules, one concept each.
+    graph = architecture.import_graph()
+    engine = {m for m in graph if m.startswith("mini_ddp.engine.")}
+    assert len(engine) <= 15, sorted(engine)
+    allowed = ("engine", "transport", "errors")
+    upward = {(m, t) for m in engine | {"mini_ddp.engine"} for t in graph[m]
+              if architecture.layer_of(t) not in allowed}
+    assert not upward, sorted(upward)

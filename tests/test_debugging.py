@@ -16,7 +16,7 @@ import torch
 from helpers.classic_bugs import run_bug
 
 from mini_ddp import RanksFailed, run_ranks
-from mini_ddp.engine.debug import debug_requested
+from mini_ddp.checks.debug import debug_requested
 from mini_ddp.errors import (
     TORCH_MISMATCH,
     CollectiveError,

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.observe.desync import DesyncDetector, DesyncError, checksum
+from mini_ddp.checks.replicas import DesyncDetector, DesyncError, checksum
 
 
 class Net(nn.Module):

@@ -1,6 +1,6 @@
 """Times on a GPU come from device events, not from host clocks read at launch.
 
-No GPU is needed: :class:`~mini_ddp.engine.device_timer.DeviceTimer` takes its event factory as
+No GPU is needed: :class:`~mini_ddp.watch.device_timer.DeviceTimer` takes its event factory as
 a parameter, and the fake events below complete at a *device* time the test chooses — as a
 CUDA event recorded behind queued work completes when the GPU reaches it, long after the host
 recorded it. Each test fails if the code falls back to host times: the host runs these steps
@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 
-from mini_ddp.engine.device_timer import NS_PER_MS, DeviceTimer, timer_for
 from mini_ddp.engine.torch_api import (
     BACKWARD_COMM_END,
     BACKWARD_COMM_START,
@@ -27,6 +26,7 @@ from mini_ddp.engine.torch_api import (
 )
 from mini_ddp.observe.spans import spans
 from mini_ddp.observe.tracing import TraceRecorder
+from mini_ddp.watch.device_timer import NS_PER_MS, DeviceTimer, timer_for
 
 
 class FakeDevice:

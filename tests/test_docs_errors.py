@@ -41,13 +41,13 @@ from mini_ddp import (
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
 from mini_ddp.errors import TORCH_MISMATCH, naming_collective
 from mini_ddp.ladder.naive import NaiveDataParallel
-from mini_ddp.observe.flight_recorder import flight_recorder
 from mini_ddp.tools import bench_models, parity
 from mini_ddp.tools.parity_options import ParityOptions
 from mini_ddp.training import data, launch, models
 from mini_ddp.transport import local_comm
 from mini_ddp.transport import shm as shm_module
 from mini_ddp.transport.collectives import naive
+from mini_ddp.watch.flight_log import flight_recorder
 
 
 def _entries() -> dict[str, tuple[str, str]]:

@@ -9,8 +9,8 @@ import sys
 import pytest
 from helpers.hang_scenarios import FUNCTIONS, LINES, SCENARIOS, run_hangs
 
-from mini_ddp.observe.flight_recorder import read_dumps
 from mini_ddp.tools.doctor import diagnose, main
+from mini_ddp.watch.flight_log import read_dumps
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ import pytest
 import torch
 from helpers.hang_scenarios import SCENARIOS, TIMEOUT_S, run_hangs
 
-from mini_ddp.engine.flight_log import TORCH_PREFIX, FlightLog, install_dump_signal
-from mini_ddp.observe.flight_recorder import read_dumps
+from mini_ddp.watch.flight_log import TORCH_PREFIX, FlightLog, install_dump_signal, read_dumps
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 from mini_ddp import DataParallelModel, run_ranks
-from mini_ddp.engine.flight_log import TORCH_PREFIX
-from mini_ddp.observe.flight_recorder import dump, flight_recorder, read_dumps
 from mini_ddp.tools.doctor import diagnose
+from mini_ddp.watch.flight_log import TORCH_PREFIX, dump, flight_recorder, read_dumps
 
 
 class BranchyBN(nn.Module):
@@ -155,7 +154,7 @@ class _Work:
 def test_the_doctor_names_a_desync_between_a_broadcast_and_a_bucket(tmp_path):
     from types import SimpleNamespace
 
-    from mini_ddp.engine.flight_log import FlightLog
+    from mini_ddp.watch.flight_log import FlightLog
 
     logs = [FlightLog(rank, 2, dump_dir=tmp_path) for rank in (0, 1)]
     work = _Work()

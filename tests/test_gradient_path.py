@@ -7,10 +7,11 @@ mini_ddp function called. The *window* runs from the first ``AccumulateGrad`` ho
 backward to the return of ``Reducer.finalize_backward``: everything one gradient goes through,
 from autograd handing it over to ``param.grad`` holding the average.
 
-Calls made inside the recorders the default options install — the flight recorder's ring
-(``FlightLog``, on with the stall warning) and the logging data's timestamps (``RuntimeLog``)
-— are counted apart: they note *that* a bucket launched or a phase ended, and never touch the
-gradient. They are printed too.
+Calls made through the observer interface (``mini_ddp.engine.observer``) are counted apart:
+the interface itself, the layers above the engine that listen (``mini_ddp.watch``: the flight
+recorder's ring, on with the stall warning; ``mini_ddp.checks``) and the logging data's
+timestamps (``RuntimeLog``). They note *that* a bucket launched or a phase ended, and never
+touch the gradient. They are printed too.
 
 The page's path table ("One gradient's path through the engine") must agree with the trace:
 every function a row names is run by the step, and every function of ``src/mini_ddp/engine``
@@ -39,14 +40,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"
 PACKAGE = str(Path(mini_ddp.__file__).resolve().parent)
 OBSERVERS = ("FlightLog.", "RuntimeLog.")
-# Measured at the grouped steady state: 34 functions in 7 files (the backward's first hook
-# takes the per-gradient path, the others the grouped one, and one is the whole-bucket
-# multiply); one more (transport/wait.py's deadline arithmetic) when a bucket's all-reduce has
-# not finished by the time backward ends. On one host the bucket's sum goes through the
-# shared-memory transport (its worker thread: submit, ready sync, the rank's chunk of the sum,
-# done sync), counted apart: measured 27 functions in 6 files of transport/ at two ranks,
+OBSERVER_FILES = tuple(f"{PACKAGE}/{where}" for where in (
+    "engine/observer.py", "watch/", "checks/", "observe/"))
+# Measured at the grouped steady state: 20 functions in 4 files at world size 2, 19 at world
+# size 3 (the backward's first hook takes the per-gradient path, the others the grouped one);
+# of them, transport/wait.py's 4 or 5 run only when a bucket's all-reduce has not finished by
+# the time backward ends (a finished one on the CPU is not waited for). Observers are counted
+# apart (OBSERVER_FILES). On one host the bucket's sum goes through the shared-memory
+# transport (its worker thread: submit, ready sync, the rank's chunk of the sum, done sync),
+# counted apart too: measured 27 functions in 6 files of transport/ at two ranks,
 # comprehensions included.
-MAX_FILES, MAX_FUNCTIONS = 7, 35
+MAX_FILES, MAX_FUNCTIONS = 4, 20
 SHM_ROUTE = ("src/mini_ddp/transport/shm", "src/mini_ddp/transport/serial_worker.py")
 MAX_SHM_FILES, MAX_SHM_FUNCTIONS = 6, 28
 REFERENCE = re.compile(r"`(src/mini_ddp/[\w/]+\.py):([\w.]+)`")
@@ -71,7 +75,7 @@ class _Recorder:
         if not code.co_filename.startswith(PACKAGE):
             return
         name = code.co_qualname
-        observer = name.startswith(OBSERVERS)
+        observer = name.startswith(OBSERVERS) or code.co_filename.startswith(OBSERVER_FILES)
         depth = getattr(self.depth, "n", 0)
         if event == "return":
             if observer:

@@ -3,8 +3,8 @@ and no module uses another module's ``_private`` names.
 
 Layers, lowest first (a module may import its own layer and the ones below)::
 
-    errors  <  transport  <  engine, ladder  <  observe  <  training  <  tools  <  integrations
-            <  mini_ddp/__init__
+    errors  <  transport  <  engine, ladder  <  watch  <  checks  <  observe  <  training  <  tools
+            <  integrations  <  mini_ddp/__init__
 
 Every ``import`` counts, including those inside functions: a lazy import hides a cycle from
 Python, not from a reader.
@@ -19,9 +19,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mini_ddp"
 
-LAYER_RANK = {"errors": 0, "transport": 1, "engine": 2, "ladder": 2, "observe": 3,
-              "training": 4, "tools": 5, "integrations": 6}
-TOP_RANK = 7  # mini_ddp/__init__.py and __main__.py re-export and dispatch
+LAYER_RANK = {"errors": 0, "transport": 1, "engine": 2, "ladder": 2, "watch": 3, "checks": 4,
+              "observe": 5, "training": 6, "tools": 7, "integrations": 8}
+TOP_RANK = 9  # mini_ddp/__init__.py and __main__.py re-export and dispatch
 
 
 def module_name(path: Path) -> str:

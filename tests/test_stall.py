@@ -14,8 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
-from mini_ddp.engine.stall import ARRIVAL_GRACE_S
-from mini_ddp.observe.watchdog import StallReport, StallWatchdog, holds_up
+from mini_ddp.watch.stall import ARRIVAL_GRACE_S, StallReport, StallWatchdog, holds_up
 
 LIMIT_S = 3.0
 SYNC_TIMEOUT_S = 60.0  # far above the limit: a report before it comes from the watchdog

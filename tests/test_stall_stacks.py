@@ -14,8 +14,8 @@ import time
 import pytest
 from helpers.hang_scenarios import ANSWER_S, FUNCTIONS, LINES, SCENARIOS, WARN_S, run_hangs
 
-from mini_ddp.engine.stacks import describe_answer, format_stacks, thread_stacks
-from mini_ddp.engine.stall import StallReport
+from mini_ddp.watch.stacks import describe_answer, format_stacks, thread_stacks
+from mini_ddp.watch.stall import StallReport
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_wrapping_and_deleting_models_leaves_no_responder_thread(hangs):
 
 # ---- no processes ----------------------------------------------------------------------------
 def _parked_in_engine(event):  # stands for the autograd thread inside mini_ddp's engine
-    from mini_ddp.engine import stacks
+    from mini_ddp.watch import stacks
     stacks.threading.Event.wait(event)
 
 

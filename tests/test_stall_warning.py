@@ -16,9 +16,9 @@ from torch import nn
 
 from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
 from mini_ddp.engine.config import process_group_timeout_s
-from mini_ddp.engine.stall import StallMonitor
-from mini_ddp.observe.watchdog import StallWatchdog
+from mini_ddp.engine.observer import Observers
 from mini_ddp.transport.wait import wait_done
+from mini_ddp.watch.stall import StallMonitor, StallWatchdog
 
 LATE_RANK, LATE_S, WARN_S = 1, 3.0, 0.5
 
@@ -114,7 +114,7 @@ def test_a_rank_late_past_the_group_timeout_fails_the_wait_at_that_timeout():
 
 # ---- no processes ----------------------------------------------------------------------------
 def test_a_watchdog_puts_the_default_warning_back_when_removed():
-    reducer = SimpleNamespace(on_stall=None, stall_after_s=None, trace=None)
+    reducer = SimpleNamespace(on_stall=None, stall_after_s=None, observers=Observers())
     default = StallMonitor(reducer, None, 60.0, store=object()).install()
     assert (reducer.on_stall, reducer.stall_after_s) == (default.on_stall, 60.0)
     model = SimpleNamespace(reducer=reducer, process_group=None)
@@ -122,11 +122,11 @@ def test_a_watchdog_puts_the_default_warning_back_when_removed():
     watchdog.install()
     watchdog.install()  # idempotent
     assert (reducer.on_stall, reducer.stall_after_s) == (watchdog.on_stall, 5.0)
-    assert reducer.trace is watchdog
+    assert reducer.observers.members == [watchdog]  # it listens to the engine's events
     watchdog.remove()
     assert (reducer.on_stall, reducer.stall_after_s) == (default.on_stall, 60.0)
     default.remove()
-    assert (reducer.on_stall, reducer.stall_after_s, reducer.trace) == (None, None, None)
+    assert (reducer.on_stall, reducer.stall_after_s, reducer.observers.members) == (None, None, [])
 
 
 def test_the_deadline_counts_from_the_start_of_the_wait_report_included():

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from mini_ddp.engine import peers
-from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call
-from mini_ddp.observe.flight_recorder import read_dumps
 from mini_ddp.tools.doctor import diagnose
+from mini_ddp.watch import peers
+from mini_ddp.watch.bounded_store import StoreUnanswered, bounded_store_call
+from mini_ddp.watch.flight_log import read_dumps
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "store_faults.py"
 sys.path.insert(0, str(HELPER.parent))

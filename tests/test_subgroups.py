@@ -115,7 +115,7 @@ def test_a_subgroup_model_matches_torch_ddp_and_leaves_other_ranks_alone(case: s
 def test_each_group_has_a_store_key_space_of_its_own() -> None:
     from types import SimpleNamespace
 
-    from mini_ddp.engine.bounded_store import group_key_space
+    from mini_ddp.watch.bounded_store import group_key_space
 
     a, b = SimpleNamespace(group_name="tg_a"), SimpleNamespace(group_name="tg_b")
     first_a = group_key_space("board", a)

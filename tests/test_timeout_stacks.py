@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import DataParallelModel, GradSyncTimeout, run_ranks
-from mini_ddp.observe.flight_recorder import flight_recorder, read_dumps
+from mini_ddp.watch.flight_log import flight_recorder, read_dumps
 
 TIMEOUT_S = 1.0
 STUCK_S = 4.5  # > TIMEOUT_S + the peers' grace to leave their marks (2 s) + the ask

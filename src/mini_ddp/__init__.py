@@ -4,16 +4,23 @@
 ``torch.nn.parallel.DistributedDataParallel``. The rest of this namespace is the toolbox around
 it: tracing and layout explanations, stall and desync detection, teaching collectives, and the
 rank harness the tests and tools are built on.
+
+The debugging sits in layers above the engine: :mod:`mini_ddp.watch` (the stall warning, the
+flight log) and :mod:`mini_ddp.checks` (the replica check, the debug switch) register with the
+engine's observer interface (:mod:`mini_ddp.engine.observer`) when imported here, and every
+``DataParallelModel`` built after that wears them.
 """
 
+import mini_ddp.checks  # noqa: F401  (registers the checks every model wears)
+import mini_ddp.watch  # noqa: F401  (registers the stall warning and its flight log)
+from mini_ddp.checks.fingerprint import SyncMismatchError
+from mini_ddp.checks.grad_watch import WrapperBypassedError
+from mini_ddp.checks.replicas import DesyncDetector, DesyncError, ReplicasDifferError, check_in_sync
 from mini_ddp.engine.comm import ParameterMismatchError
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.fingerprint import SyncMismatchError
-from mini_ddp.engine.grad_watch import WrapperBypassedError
 from mini_ddp.engine.hooks import CommHookTimeout, GradBucket, gloo_safe
 from mini_ddp.engine.model import DataParallelModel
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
-from mini_ddp.engine.replicas import ReplicasDifferError
 from mini_ddp.errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -23,13 +30,12 @@ from mini_ddp.errors import (
     MiniDDPError,
     UnfinishedReductionError,
 )
-from mini_ddp.observe.desync import DesyncDetector, DesyncError, check_in_sync
 from mini_ddp.observe.explain import explain
 from mini_ddp.observe.tracing import TraceRecorder, trace
-from mini_ddp.observe.watchdog import StallError, StallWatchdog
 from mini_ddp.training.spawn import RankContext, RanksFailed, run_ranks
 from mini_ddp.transport.collectives import collective_hook
 from mini_ddp.transport.shm import SharedMemoryAllreduce
+from mini_ddp.watch.stall import StallError, StallWatchdog
 
 __all__ = [
     "CollectiveError",

@@ -212,7 +212,7 @@ _PEER_READERS: list[Callable[[int], str]] = []
 
 def explain_peers_with(reader: Callable[[int], str]) -> None:
     """Make :class:`CollectiveError` ask ``reader(rank)`` what the other ranks did (the
-    engine's :func:`mini_ddp.engine.peers.explain_peers`: who finished, who failed). This
+    engine's :func:`mini_ddp.watch.peers.explain_peers`: who finished, who failed). This
     module is the lowest layer, so the reader is handed in rather than imported."""
     if reader not in _PEER_READERS:
         _PEER_READERS.append(reader)
@@ -269,7 +269,13 @@ def naming_collective(rank: int, what: str | Callable[[], str], late: str = "") 
     except MiniDDPError:
         raise
     except RuntimeError as err:  # Gloo and NCCL raise RuntimeError (or DistError subclasses)
-        what = what() if callable(what) else what
-        if TORCH_MISMATCH in str(err):  # torch's DETAIL verdict: a desync, not a death
-            raise CollectiveMismatchError(rank, what, err) from err
-        raise CollectiveError(rank, what, err, late) from err
+        raise collective_error(rank, what() if callable(what) else what, err, late) from err
+
+
+def collective_error(rank: int, what: str, err: BaseException, late: str = ""
+                     ) -> CollectiveError:
+    """The error :func:`naming_collective` raises for a backend failure ``err`` of ``what``
+    (for a caller that catches it itself: no context manager on its path)."""
+    if TORCH_MISMATCH in str(err):  # torch's DETAIL verdict: a desync, not a death
+        return CollectiveMismatchError(rank, what, err)
+    return CollectiveError(rank, what, err, late)

@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mini_ddp import DataParallelModel, MiniDDPError, RanksFailed, run_ranks
-from mini_ddp.engine.stacks import ask_stacks
-from mini_ddp.observe.flight_recorder import flight_recorder
+from mini_ddp.watch.flight_log import flight_recorder
+from mini_ddp.watch.stacks import ask_stacks
 
 WARN_S = 2.0
 STUCK_S = 7.0

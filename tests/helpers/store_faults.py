@@ -39,9 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mini_ddp import DataParallelModel
-from mini_ddp.engine.stacks import ask_stacks
-from mini_ddp.observe.flight_recorder import dump, flight_recorder
 from mini_ddp.training.launch import LOOPBACK, keep_gloo_on_loopback
+from mini_ddp.watch.flight_log import dump, flight_recorder
+from mini_ddp.watch.stacks import ask_stacks
 
 SLOW_S = 4.0
 STEPS = 4

@@ -13,9 +13,7 @@ The reducer owns its state: :class:`~.reducer.StepState` (per-step counters, in
 Off the main path:
 :mod:`.join` (uneven inputs), :mod:`.comm` (start-up broadcast), :mod:`.torch_api`
 (DDP's logging data, torch's reducer methods by name, refusals of torch's internals),
-:mod:`.config`, :mod:`.multi_device`, :mod:`.stall` (the stall warning, stack responder and
-flight recorder), :mod:`.delayed`, :mod:`.mixed_precision`; the checks that name a user's
-mistake (docs/debugging.md): :mod:`.debug` (the switch), :mod:`.replicas`,
-:mod:`.fingerprint`, :mod:`.grad_watch`, over :mod:`.rank_board` (the store). Imports only
-:mod:`mini_ddp.transport` and :mod:`mini_ddp.errors`.
+:mod:`.config`, :mod:`.multi_device`, :mod:`.delayed`, :mod:`.mixed_precision`.
+Imports only :mod:`mini_ddp.transport` and :mod:`mini_ddp.errors`; what watches a sync lives in
+:mod:`mini_ddp.watch`, what checks a user's mistakes in :mod:`mini_ddp.checks`.
 """

@@ -135,7 +135,7 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
     each broadcast, blocking the host until it has finished (RuntimeError when it runs out);
     None waits as torch DDP does — on NCCL only the current stream waits, not the host, and
     the process group's own timeout applies. ``flight``: a flight recorder
-    (:class:`mini_ddp.engine.flight_log.FlightLog`) that records each broadcast as ``op`` of
+    (:class:`mini_ddp.watch.flight_log.FlightLog`) that records each broadcast as ``op`` of
     ``step``.
     """
     with torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -82,7 +83,7 @@ class DataParallelConfig:
     stall_warning_s: float | None = 60.0
     """After this long waiting for one bucket, log a WARNING (logger ``"mini_ddp"``) naming the
     bucket, its parameters and the ranks that have not reached it, then keep waiting
-    (:mod:`mini_ddp.engine.stall`). Free until a wait is that slow. ``None``: no warning."""
+    (:mod:`mini_ddp.watch.stall`). Free until a wait is that slow. ``None``: no warning."""
 
     zero_copy_write_back: bool = False
     """Opt-in. After the all-reduce, make ``param.grad`` the bucket's view instead of copying the
@@ -125,11 +126,11 @@ class DataParallelConfig:
     ``MINI_DDP_DEBUG=1`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): collective fingerprints and
     the local-gradient watch name an extra forward on one rank, uneven inputs, a collective on
     some ranks only, where a NaN came from and a bypassed wrapper; the replica check raises
-    instead of warning (:mod:`mini_ddp.engine.debug`). Costs a store round trip per step."""
+    instead of warning (:mod:`mini_ddp.checks.debug`). Costs a store round trip per step."""
 
     replica_check_every: int | None = 100
     """Compare the ranks' parameters, buffers and train/eval modes at step 1 and every this
-    many synchronised steps, through the store (:mod:`mini_ddp.engine.replicas`); the first
+    many synchronised steps, through the store (:mod:`mini_ddp.checks.replicas`); the first
     step's local gradients too (identical data on every rank). None: off."""
 
     skip_all_reduce_unused_params: bool = False
@@ -245,3 +246,17 @@ def format_bytes(nbytes: int | None) -> str:
 
 def _mib(nbytes: int | None) -> str:
     return f"{format_bytes(nbytes)} ({nbytes or 0:,} bytes)"
+
+
+DEBUG_ENV = "MINI_DDP_DEBUG"
+"""The environment variable of mini_ddp's debug switch (:mod:`mini_ddp.checks.debug`)."""
+
+
+def debug_requested(explicit: bool | None = None) -> bool:
+    """The switch: ``explicit`` when given, else ``MINI_DDP_DEBUG`` (anything but empty or
+    ``0``), else whether torch's ``TORCH_DISTRIBUTED_DEBUG`` is ``DETAIL``."""
+    if explicit is not None:
+        return explicit
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        return True
+    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"

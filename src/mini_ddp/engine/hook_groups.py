@@ -297,24 +297,20 @@ class HookGroups:
         """Has each gradient ``grads`` (of parameters ``indices``) arrived exactly once in this
         backward? ``(ONCE, None)``; else the first that has not (``NOT_YET``: not yet, or it
         cannot be told) or that arrived more than once or changed in place (``AGAIN``)."""
+        # The common case in one expression (no call per group): every gradient there, at
+        # the version expected, and each the .grad that was there when backward began, or
+        # new where there was none (accumulated into, not replaced).
         if self.began and all(map(operator.is_not, grads, repeat(None))) and list(
                 map(_VERSION, grads)) == list(map(self._expected.__getitem__, indices)) \
-                and self._same_tensors(indices, grads):
+                and (self._all_new or (
+                    list(map(id, grads)) == list(map(self._before.__getitem__, indices))
+                    if self._none_new else all(map(self._same_or_new, indices, grads)))):
             return ONCE, None
         for index, grad in zip(indices, grads, strict=True):
             found = self._arrival(index, grad)
             if found != ONCE:
                 return found, index
         return ONCE, None
-
-    def _same_tensors(self, indices: list[int], grads: list[torch.Tensor]) -> bool:
-        """Is each of ``grads`` the ``.grad`` that was there when backward began, or new where
-        there was none (accumulated into, not replaced)?"""
-        if self._all_new:
-            return True
-        if self._none_new:
-            return list(map(id, grads)) == list(map(self._before.__getitem__, indices))
-        return all(map(self._same_or_new, indices, grads))
 
     def _same_or_new(self, index: int, grad: torch.Tensor) -> bool:
         before = self._before[index]
@@ -358,10 +354,14 @@ class HookGroups:
         remember them and their versions for :meth:`changed_since_copy`."""
         self._copied.append((params, grads, list(map(_VERSION, grads)), indices))
 
-    def changed_since_copy(self) -> int | None:
+    def changed_since_copy(self, reset: bool = False) -> int | None:
         """The index of the first parameter whose ``.grad`` was accumulated into (or replaced)
-        after its group copied it, or None. At the end of a grouped backward."""
-        for params, grads, versions, indices in self._copied:
+        after its group copied it, or None. At the end of a grouped backward; ``reset``: and
+        forget what the groups copied (:meth:`reset_copies`), in the same call."""
+        copied = self._copied
+        if reset:
+            self._copied = []
+        for params, grads, versions, indices in copied:
             if not all(map(operator.is_, map(_GRAD, params), grads)) \
                     or list(map(_VERSION, grads)) != versions:
                 for param, grad, version, index in zip(params, grads, versions, indices,

@@ -42,16 +42,15 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from mini_ddp.engine import join as joining
+from mini_ddp.engine import observer
 from mini_ddp.engine.buckets import expect_sparse_gradients
 from mini_ddp.engine.comm import (
     BROADCAST_BUCKET_BYTES,
     dist_broadcast_coalesced,
     verify_params_across_ranks,
 )
-from mini_ddp.engine.config import MIB, DataParallelConfig
-from mini_ddp.engine.debug import SyncChecks, debug_requested
+from mini_ddp.engine.config import MIB, DataParallelConfig, debug_requested
 from mini_ddp.engine.delayed import DelayedAllReduce, check_something_left, ignored_names
-from mini_ddp.engine.flight_log import FlightLog
 from mini_ddp.engine.hooks import (
     CommHook,
     builtin_comm_hook,
@@ -66,7 +65,6 @@ from mini_ddp.engine.mixed_precision import (
 )
 from mini_ddp.engine.mixed_precision import setup as mixed_precision_setup
 from mini_ddp.engine.reducer import Reducer
-from mini_ddp.engine.stall import StallMonitor
 from mini_ddp.engine.torch_api import (
     MODEL_REFUSAL,
     TORCH_INTERNALS,
@@ -128,13 +126,18 @@ class DataParallelModel(DistributedDataParallel):
     ``debug`` — mini_ddp's debug switch (None: ``MINI_DDP_DEBUG=1`` or
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turn it on): the classic mistakes named with their fix;
     ``replica_check_every`` — compare the ranks' parameters, buffers and modes every this many
-    steps (100; None: off). See docs/debugging.md and :mod:`mini_ddp.engine.debug`;
+    steps (100; None: off). See docs/debugging.md and :mod:`mini_ddp.checks.debug`;
     ``grouped_hooks`` — once the gradient order is known, one autograd hook per group of
     gradients instead of one per gradient (default True; same bits, see
     :mod:`mini_ddp.engine.hook_groups`).
     """
 
     # ==== construction ========================================================================
+    # Set by the layers above the engine when they attach (mini_ddp.engine.observer.watch):
+    # the stall warning (mini_ddp.watch.stall) and the checks (mini_ddp.checks.debug).
+    stall_monitor: Any = None
+    sync_checks: Any = None
+
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
                  broadcast_buffers: bool | None = None, init_sync: bool = True,
@@ -234,10 +237,9 @@ class DataParallelModel(DistributedDataParallel):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
 
-        # The flight recorder (kept with the stall warning) starts before the start-up
-        # broadcast, so that broadcast is its first entry on every rank.
-        flight = None if self.config.stall_warning_s is None \
-            else FlightLog.of_group(self.process_group)
+        # The flight recorder (kept with the stall warning, mini_ddp.watch) starts before the
+        # start-up broadcast, so that broadcast is its first entry on every rank.
+        flight = observer.startup_recorder(self)
         # The shared-memory transport's start-up offers ride on the parameter check's
         # all-gather; then its two votes run on the model's group (None unless Gloo ranks
         # sharing a host, and every rank asked for it).
@@ -277,7 +279,7 @@ class DataParallelModel(DistributedDataParallel):
 
     def _attach_reducer(self, named: list[tuple[str, nn.Parameter]],
                         comm_hook: tuple[CommHook, object] | None = None,
-                        flight: FlightLog | None = None) -> None:
+                        flight: Any = None) -> None:
         """A fresh reducer (and what watches it) over ``named``: at construction, after
         unpickling, and when ``_set_static_graph`` changes how it must work.
 
@@ -291,20 +293,13 @@ class DataParallelModel(DistributedDataParallel):
                                modules=list(self.module.named_modules()))
         self.reducer.runtime_log = self._runtime_log
         self._runtime_log.use_device([p.device for _, p in named])
-        if flight is not None and self.config.stall_warning_s is not None:
+        self.reducer.observers.add(self._runtime_log)
+        if flight is not None:
             self.reducer.flight = flight
-            flight.watch(self.reducer)
-        self.stall_monitor = None if self.config.stall_warning_s is None else StallMonitor(
-            self.reducer, self.process_group, self.config.stall_warning_s).install()
-        # The checks that name a user's mistake (docs/debugging.md): the replica check always,
-        # the rest under the debug switch. Not in torch's python-reducer mode (no hooks run).
-        # A new reducer keeps the store key space of the old one: the ranks name it alike.
-        old = getattr(self, "sync_checks", None)
-        if old is not None:
-            old.remove()
-        self.sync_checks = None if self._use_python_reducer else SyncChecks(
-            self, self.config.debug, self.config.replica_check_every,
-            board=None if old is None else old.board)
+        # What the layers above the engine attach (mini_ddp.engine.observer): the stall
+        # warning and its flight log (mini_ddp.watch), the replica check and, under the debug
+        # switch, the other checks (mini_ddp.checks): they set stall_monitor and sync_checks.
+        observer.watch(self)
         self._delay_all_reduce_enqueued = False
         if comm_hook is None:
             self._comm_hook_name = None
@@ -313,7 +308,7 @@ class DataParallelModel(DistributedDataParallel):
 
     # ==== start-up sync =======================================================================
     def broadcast_module_states(self, include_buffers: bool, src: int = 0,
-                                flight: FlightLog | None = None,
+                                flight: Any = None,
                                 op: str = "startup_broadcast") -> None:
         """Broadcast parameters (and buffers) from group rank ``src`` (start-up, join's end).
 
@@ -366,14 +361,7 @@ class DataParallelModel(DistributedDataParallel):
         if trace is not None:
             trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
-        checks = self.sync_checks
-        if checks is not None and checks.debug:  # before this forward's first collective
-            checks.before_collectives(grad_enabled, grad_enabled and
-                                      self.require_backward_grad_sync,
-                                      self.will_sync_module_buffers(),
-                                      self.reducer.step.num_iterations + (
-                                          grad_enabled and self.require_backward_grad_sync),
-                                      joining=self._join_config.enable)
+        self.reducer.observers.forward_begun(self)  # before this forward's first collective
         if grad_enabled and self.require_backward_grad_sync:
             reducer = self.reducer
             self._runtime_log.forward_started(reducer.step.num_iterations,
@@ -387,9 +375,8 @@ class DataParallelModel(DistributedDataParallel):
         broadcast = self.will_sync_module_buffers()
         if broadcast:
             self.sync_buffers()
-        if checks is not None and grad_enabled and self.require_backward_grad_sync:
-            checks.after_buffer_sync(self.reducer.step.num_iterations, broadcast,
-                                     joining=self._join_config.enable)
+        if grad_enabled and self.require_backward_grad_sync:
+            self.reducer.observers.forward_ready(self, broadcast)
         # Join's shadow all-reduces go through Gloo: so does every rank's backward meanwhile.
         self.reducer.use_transport = self.transport is not None and not self._join_config.enable
         if self._join_config.enable:
@@ -462,6 +449,18 @@ class DataParallelModel(DistributedDataParallel):
         if self.static_graph and not self._delay_all_reduce_enqueued:
             Variable._execution_engine.queue_callback(self.reducer.delay_all_reduce)
             self._delay_all_reduce_enqueued = True
+
+    @property
+    def joining(self) -> bool:
+        """Whether this model has been inside ``join()`` (torch's ``Join`` leaves the model's
+        join config enabled after the context)."""
+        return self._join_config.enable
+
+    @property
+    def uses_python_reducer(self) -> bool:
+        """torch's compiled-autograd mode (``optimize_ddp="python_reducer"``): the engine's
+        hooks are off and torch's compiled autograd reduces."""
+        return self._use_python_reducer
 
     def will_sync_module_buffers(self) -> bool:
         """True when this forward will broadcast rank 0's buffers first."""

@@ -58,10 +58,8 @@ from mini_ddp.engine.buckets import BucketLayout, assign_grad, check_sparse_grad
 from mini_ddp.engine.config import DataParallelConfig
 from mini_ddp.engine.hook_groups import AGAIN, ONCE, Group, HookGroups, passive_hook, user_grad_hook
 from mini_ddp.engine.hooks import CommHook, GradBucket, launch_hook, result_tensor
+from mini_ddp.engine.observer import Observers
 from mini_ddp.engine.torch_api import (
-    BACKWARD_COMM_END,
-    BACKWARD_COMM_START,
-    BACKWARD_COMPUTE_END,
     BACKWARD_COMPUTE_START,
     TorchReducerAPI,
     outputs_list,
@@ -74,8 +72,8 @@ from mini_ddp.errors import (
     MarkedTwiceError,
     MiniDDPError,
     UnfinishedReductionError,
+    collective_error,
     describe_bucket,
-    naming_collective,
 )
 from mini_ddp.transport.shm import SharedMemoryAllreduce, ShmError
 from mini_ddp.transport.wait import wait_done
@@ -122,6 +120,9 @@ class UndefinedButUsedError(MiniDDPError):
             "synchronised one (inside no_sync(), or after a forward that raised) used it, and "
             "its .grad was set to None before this step. Run a synchronised backward before "
             "zeroing gradients with set_to_none=True, or zero them with set_to_none=False.)")
+
+
+_SUM = dist.AllreduceOptions()  # reduceOp SUM, the backend's default timeout
 
 
 @dataclass
@@ -201,14 +202,6 @@ class StepState:
         self.ready.clear()
         self.ready_order.clear()  # torch clears its grad_ready_order_indices_ here too
 
-    def finish(self) -> None:
-        """A synced backward has finished (its gradients are being written back)."""
-        self.expect_hooks = False
-        self.synced_this_step = True
-        self.require_finalize = False
-        self.backward_counted = False
-        self.plain = False
-
     def unarmed(self, rank: int, name: str, index: int) -> UnarmedBackwardError | None:
         """A hook fired while no synced backward is expected: the error to raise, if any.
 
@@ -253,7 +246,6 @@ class Reducer(TorchReducerAPI):
     ``step`` (:class:`StepState`) and ``unused_search``.
     """
 
-    flight: Any = None  # the flight recorder's ring (mini_ddp.engine.flight_log.FlightLog), or None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
@@ -263,6 +255,9 @@ class Reducer(TorchReducerAPI):
         self.names = list(names)
         self.modules = list(modules)  # (name, module): where user backward hooks are looked for
         self.group = group
+        self._group = group if group is not None else dist.group.WORLD  # for allreduce
+        # Where a wait has a second layer (wait_done's device probe): results on a GPU.
+        self._results_on_gpu = any(p.device.type != "cpu" for p in self.params)
         self.config = config
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -271,9 +266,12 @@ class Reducer(TorchReducerAPI):
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
         self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
+        # What watches this reducer (mini_ddp.engine.observer): one call per event.
+        self.observers = Observers()
+        self._flight: Any = None
         # The stall seam: on_stall(reducer, bucket, error) is called once a wait passes
         # stall_after_s (error None) and when a collective fails. The model installs the default
-        # warning there (mini_ddp.engine.stall); mini_ddp.observe.watchdog replaces it.
+        # warning there (mini_ddp.watch.stall); mini_ddp.watch.stall replaces it.
         self.on_stall: OnStall | None = None
         self.stall_after_s: float | None = None
         # The timeout seam: on_timeout(reducer, bucket) -> (lines for the GradSyncTimeout
@@ -366,6 +364,20 @@ class Reducer(TorchReducerAPI):
                 and bucket.nbytes >= self.config.shared_memory_min_bytes
                 and self.transport.owns(bucket.buffer))
 
+    @property
+    def flight(self) -> Any:
+        """The flight log recording this reducer's collectives (None: none); set, it
+        observes the bucket launches and completions too (:mod:`mini_ddp.engine.observer`)."""
+        return self._flight
+
+    @flight.setter
+    def flight(self, log: Any) -> None:
+        if self._flight is not None:
+            self.observers.remove(self._flight)
+        self._flight = log
+        if log is not None:
+            self.observers.add(log)
+
     # ---- per-step calls from the model --------------------------------------------------
     def prepare_for_forward(self) -> None:
         """Count a synced forward (static graphs behave differently in iteration 1)."""
@@ -411,8 +423,11 @@ class Reducer(TorchReducerAPI):
         self.ensure_prior_reduction_finished()
         # Gradients the zero-copy write-back left in the old buffers move along (unless someone
         # else holds them), so later steps keep writing in place instead of copying.
-        return self.layout.rebuild_if_needed(writeback.handed_out_grads, self.flight,
-                                             self.step.num_iterations)
+        rebuilt = self.layout.rebuild_if_needed(writeback.handed_out_grads, self.flight,
+                                                self.step.num_iterations)
+        if rebuilt:
+            self.observers.order_decided(self, "rebuild")
+        return rebuilt
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | torch.Tensor) -> None:
         """Arm the hooks for the backward of this forward's ``outputs`` (a tensor or a list
@@ -486,6 +501,7 @@ class Reducer(TorchReducerAPI):
             step.ready_order.append(index)  # the logging data's ready order, as torch's
             if not step.marked_unused:
                 step.marked_unused = True
+                self.observers.backward_begun(self)
                 if self.zero_copy:
                     # Before anything is written into a bucket a .grad may still be.
                     writeback.reclaim_buffers(self.layout.buckets, self.transport)
@@ -527,8 +543,10 @@ class Reducer(TorchReducerAPI):
             if not groupable:
                 groups.disarm(fell_back=False)
                 self._register_param_hooks()
+                self.observers.order_decided(self, "fallback")
         elif groupable and groups.should_arm():
             self._register_group_hooks(groups.arm(self.layout.buckets))
+            self.observers.order_decided(self, "grouped")
             logger.debug("mini_ddp rank %d: gradient order stable, %d hooks for %d gradients",
                          self.rank, len(groups.groups), len(self.params))
 
@@ -568,45 +586,42 @@ class Reducer(TorchReducerAPI):
             first = True
         else:
             first = False
-        with self._lock:
-            self._group_ready_locked(group, skip_last=first)
-
-    def _group_ready_locked(self, group: Group, skip_last: bool) -> None:
-        step, bucket = self.step, group.bucket
-        params, indices, positions = group.params, group.indices, group.positions
-        if skip_last:  # marked by autograd_hook
-            params, indices, positions = params[:-1], indices[:-1], positions[:-1]
-        if self.trace is not None:
-            for index in indices:
-                self.trace.record("hook", param=index)
-        if not indices:
-            return
-        grads = list(map(_GRAD, params))
-        found, index = self.hook_groups.arrivals(indices, grads)
-        if found == AGAIN:  # a second arrival: what torch's per-gradient hooks refuse
-            raise MarkedTwiceError(self.rank, self.names[index], index, read_by_group=True)
-        if found != ONCE:
-            self.fall_back_to_param_hooks(index)
-            return
-        if not step.ready.isdisjoint(indices):  # cannot happen unless a group repeats
-            index = next(i for i in indices if i in step.ready)
-            raise MarkedTwiceError(self.rank, self.names[index], index)
-        step.ready.update(indices)
-        if skip_last:  # the logging data's order: the group's, its last (noted already) last
-            step.ready_order[-1:-1] = indices
-        else:
-            step.ready_order.extend(indices)
-        step.require_finalize = True
-        # No .grad here is a bucket view: a view's version counter is its siblings' too, so
-        # hooks are never grouped while one exists (HookGroups.groupable), and autograd makes
-        # new tensors. Every gradient is copied.
-        sources = grads if not any(map(_REQUIRES_GRAD, grads)) \
-            else [grad.detach() for grad in grads]  # create_graph=True: not into the graph
-        torch._foreach_copy_(list(map(bucket.views.__getitem__, positions)), sources)
-        self.hook_groups.copied(params, grads, indices)
-        bucket.pending -= len(indices)
-        if bucket.pending == 0:
-            self.bucket_full(bucket)
+        with self._lock:  # the rest of the group (all of it after the first hook)
+            bucket = group.bucket
+            params, indices, positions = group.params, group.indices, group.positions
+            if first:  # marked by autograd_hook
+                params, indices, positions = params[:-1], indices[:-1], positions[:-1]
+            if self.trace is not None:
+                for index in indices:
+                    self.trace.record("hook", param=index)
+            if not indices:
+                return
+            grads = list(map(_GRAD, params))
+            found, index = self.hook_groups.arrivals(indices, grads)
+            if found == AGAIN:  # a second arrival: what torch's per-gradient hooks refuse
+                raise MarkedTwiceError(self.rank, self.names[index], index, read_by_group=True)
+            if found != ONCE:
+                self.fall_back_to_param_hooks(index)
+                return
+            if not step.ready.isdisjoint(indices):  # cannot happen unless a group repeats
+                index = next(i for i in indices if i in step.ready)
+                raise MarkedTwiceError(self.rank, self.names[index], index)
+            step.ready.update(indices)
+            if first:  # the logging data's order: the group's, its last (noted already) last
+                step.ready_order[-1:-1] = indices
+            else:
+                step.ready_order.extend(indices)
+            step.require_finalize = True
+            # No .grad here is a bucket view: a view's version counter is its siblings' too, so
+            # hooks are never grouped while one exists (HookGroups.groupable), and autograd makes
+            # new tensors. Every gradient is copied.
+            sources = grads if not any(map(_REQUIRES_GRAD, grads)) \
+                else [grad.detach() for grad in grads]  # create_graph=True: not into the graph
+            torch._foreach_copy_(list(map(bucket.views.__getitem__, positions)), sources)
+            self.hook_groups.copied(params, grads, indices)
+            bucket.pending -= len(indices)
+            if bucket.pending == 0:
+                self.bucket_full(bucket)
 
     def fall_back_to_param_hooks(self, missing: int) -> None:
         """A group's hook found a gradient of its group (parameter ``missing``) not yet (or
@@ -623,6 +638,7 @@ class Reducer(TorchReducerAPI):
         fresh = self.hook_groups.fresh_indices(self.params)
         self.hook_groups.disarm(fell_back=True)
         self._register_param_hooks()
+        self.observers.order_decided(self, "fallback")
         for index in fresh:
             if index not in self.step.ready:
                 self.mark_variable_ready(index)
@@ -669,16 +685,28 @@ class Reducer(TorchReducerAPI):
     def bucket_full(self, bucket: bucketing.Bucket) -> None:
         """Every gradient of ``bucket`` is in: scale it, launch what can be launched, and
         queue the end of backward once the last bucket has gone."""
-        step = self.step
-        if self.scales_whole_buckets:
-            self.scale_bucket(bucket)
+        step, buckets = self.step, self.layout.buckets
+        if self.scales_whole_buckets:  # scale_bucket, inline: one call less per bucket
+            if not bucket.sparse:  # a sparse bucket is divided on its way in
+                if bucket.noted:
+                    self._read_noted(bucket)
+                bucket.buffer.mul_(self._scale)
         elif self.config.batched_grad_copy:
             self.flush_batched(bucket)
         if self.trace is not None:
             self.trace.record("bucket_ready", bucket=bucket.index)
-        self.mark_bucket_ready(bucket.index)
+        # Launch every ready bucket from next_bucket on, strictly in bucket order. With
+        # skip_all_reduce_unused_params a bucket of unused parameters only stays local (no
+        # future: its .grad are left alone), as DDP's should_skip_all_reduce_bucket.
+        if bucket.index == step.next_bucket:
+            while step.next_bucket < len(buckets) and buckets[step.next_bucket].pending == 0:
+                ready = buckets[step.next_bucket]
+                if not (self.config.skip_all_reduce_unused_params and all(
+                        i in self.unused_search.unused for i in ready.param_indices)):
+                    self.all_reduce_bucket(ready)
+                step.next_bucket += 1
         # Only a launch moves next_bucket, so only a full bucket can make it the last.
-        if step.next_bucket == len(self.layout.buckets):
+        if step.next_bucket == len(buckets):
             if self.unused_search.dynamic:
                 self.unused_search.launch_map_reduce(lambda: self.describe(None),
                                                      self.flight, step.num_iterations)
@@ -821,31 +849,13 @@ class Reducer(TorchReducerAPI):
             bucket.buffer.div_(self.div_factor)
 
     # ---- 3. launch -----------------------------------------------------------------------
-    def mark_bucket_ready(self, bucket_index: int) -> None:
-        """Launch every ready bucket from ``next_bucket`` on, strictly in bucket order.
-
-        With ``skip_all_reduce_unused_params`` a bucket of unused parameters only stays local
-        (no future: its ``.grad`` are left alone), as DDP's ``should_skip_all_reduce_bucket``.
-        """
-        step, buckets = self.step, self.layout.buckets
-        if bucket_index > step.next_bucket:
-            return
-        while step.next_bucket < len(buckets) and buckets[step.next_bucket].pending == 0:
-            bucket = buckets[step.next_bucket]
-            if not (self.config.skip_all_reduce_unused_params and all(
-                    i in self.unused_search.unused for i in bucket.param_indices)):
-                self.all_reduce_bucket(bucket)
-            step.next_bucket += 1
-
     def all_reduce_bucket(self, bucket: bucketing.Bucket) -> None:
         """Start ``bucket``'s collective: shared memory where it lives there, else the
         comm-hook door (a registered hook, or the default all-reduce)."""
-        grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.layout.buckets))
         if self.trace is not None:
             self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
-        if self.runtime_log is not None:
-            self.runtime_log.mark(BACKWARD_COMM_START)  # the first launch of the step
         if self._comm_hook is not None:  # a user hook's errors are its own: no naming
+            grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.layout.buckets))
             try:
                 bucket.future = launch_hook(self._comm_hook, self.comm_hook_state, self.group,
                                             grad_bucket)
@@ -854,14 +864,29 @@ class Reducer(TorchReducerAPI):
                     self.runtime_log.record_error(err)
                 raise
         else:
-            with naming_collective(self.rank, lambda: self.describe(bucket)):
-                bucket.future = self.transport.all_reduce(bucket.buffer) \
-                    if self._through_transport(bucket) else launch_hook(None, None, self.group,
-                                                                        grad_bucket)
+            # The default path, without the comm-hook door's GradBucket (made only if a
+            # result needs checking): shared memory where the bucket lives there, else
+            # allreduce_sum_hook's call, inline; a backend failure named as naming_collective
+            # names it, without the context manager on the path.
+            bucket.grad_bucket = None
+            buffer = bucket.buffer
+            try:
+                if self.use_transport and not bucket.sparse \
+                        and buffer.nbytes >= self.config.shared_memory_min_bytes \
+                        and self.transport.owns(buffer):
+                    bucket.future = self.transport.all_reduce(buffer)
+                elif buffer.is_complex():  # dist.all_reduce sums it as its real view
+                    bucket.future = dist.all_reduce(buffer, group=self.group,
+                                                    async_op=True).get_future()
+                else:  # the group's own allreduce, as torch's C++ reducer calls it
+                    bucket.future = self._group.allreduce([buffer], _SUM).get_future()
+            except MiniDDPError:
+                raise
+            except RuntimeError as err:
+                raise collective_error(self.rank, self.describe(bucket), err) from err
         if self.trace is not None:  # lets a recorder log when the collective really ends
             self.trace.record("launched", bucket=bucket.index, future=bucket.future)
-        if self.flight is not None:
-            self.flight.launched(self.step.num_iterations, bucket)
+        self.observers.bucket_launched(self, bucket)
 
     def delay_all_reduce(self) -> None:
         """Static graph, first iteration: reduce everything once backward has finished.
@@ -903,8 +928,14 @@ class Reducer(TorchReducerAPI):
         """
         on_stall = self.on_stall
         slow = None if on_stall is None else lambda: on_stall(self, bucket, None)
-        if not wait_done(future, self.config.sync_timeout_s, stall_after_s=self.stall_after_s,
-                         on_slow=slow):
+        blocks = not future.done()
+        if blocks:
+            self.observers.wait_begun(self, bucket)
+        # A finished future with a host result has nothing left to wait for (wait_done's
+        # second layer is for results on a GPU): the common case, without the call.
+        if (blocks or self._results_on_gpu or self._comm_hook is not None) and not wait_done(
+                future, self.config.sync_timeout_s, stall_after_s=self.stall_after_s,
+                on_slow=slow):
             late, dumped = (NOT_ASKED, {}) if self.on_timeout is None \
                 else self.on_timeout(self, bucket)
             error = GradSyncTimeout(self.rank, self.config.sync_timeout_s, bucket, self.names,
@@ -912,6 +943,8 @@ class Reducer(TorchReducerAPI):
             if self.flight is not None:  # what led here, for `python -m mini_ddp doctor`
                 self.flight.dump(f"GradSyncTimeout: {error}", **dumped)
             raise error
+        if blocks:
+            self.observers.wait_ended(self, bucket)
         late = None
         if on_stall is not None:
             try:
@@ -920,16 +953,18 @@ class Reducer(TorchReducerAPI):
                 # A dead peer, or the backend's own timeout: the observer may name late ranks.
                 late = on_stall(self, bucket, error)
         # A dead peer fails the collective (Gloo notices a closed socket at once): name it.
-        with naming_collective(self.rank, lambda: self.describe(bucket), late=late or ""):
-            try:
-                return future.wait()
-            except MiniDDPError as err:
-                if bucket is None or not isinstance(err, (CollectiveError, ShmError)):
-                    raise
-                # The shared-memory transport's own error names a slot: name the bucket, with
-                # the backend's words (a CollectiveError of the transport keeps them as cause).
-                cause = err.__cause__ if isinstance(err, CollectiveError) else None
-                raise CollectiveError(self.rank, self.describe(bucket), cause or err) from err
+        try:
+            return future.wait()
+        except MiniDDPError as err:
+            if bucket is None or not isinstance(err, (CollectiveError, ShmError)):
+                raise
+            # The shared-memory transport's own error names a slot: name the bucket, with
+            # the backend's words (a CollectiveError of the transport keeps them as cause).
+            cause = err.__cause__ if isinstance(err, CollectiveError) else None
+            raise CollectiveError(self.rank, self.describe(bucket), cause or err) from err
+        except RuntimeError as err:  # the backend's failure (naming_collective's rule)
+            raise collective_error(self.rank, self.describe(bucket), err,
+                                   late=late or "") from err
 
     def describe(self, bucket: bucketing.Bucket | None) -> str:
         """What a wait for ``bucket`` (None: the used map) waits for, in errors' words."""
@@ -948,12 +983,10 @@ class Reducer(TorchReducerAPI):
         with self._lock:
             if self.trace is not None:
                 self.trace.record("finalize_start")  # backward's compute has ended
-            if self.runtime_log is not None:
-                self.runtime_log.mark(BACKWARD_COMPUTE_END)
+            self.observers.backward_ended(self)
             groups = self.hook_groups
             if groups is not None and groups.groups is not None:
-                changed = groups.changed_since_copy()  # a gradient that arrived twice
-                groups.reset_copies()
+                changed = groups.changed_since_copy(reset=True)  # one that arrived twice
                 if changed is not None:
                     raise MarkedTwiceError(self.rank, self.names[changed], changed)
             elif groups is not None and self.step.plain and not self._hooks_removed:
@@ -961,7 +994,12 @@ class Reducer(TorchReducerAPI):
             if groups is not None and self.scales_whole_buckets and not self.reads_late \
                     and not self._changed_late:
                 groups.quiet_backward()  # read at the hooks, and nothing changed after them
-            self.step.finish()
+            # The synced backward has finished (its gradients are being written back): the
+            # step state's end, inline (one call less on every backward's path).
+            step = self.step
+            step.expect_hooks = step.backward_counted = step.plain = False
+            step.require_finalize = False
+            step.synced_this_step = True
             if config.static_graph and self.step.num_backward_calls > 1 \
                     and self.layout.should_rebuild():
                 self.layout.record_ready(*self.unused_search.unused)
@@ -973,12 +1011,15 @@ class Reducer(TorchReducerAPI):
                 if bucket.future is None:
                     continue  # skipped: all its parameters unused (skip_all_reduce_unused_params)
                 value = self.wait(bucket.future, bucket)
-                if self.flight is not None:
-                    self.flight.completed(bucket.index)
+                self.observers.bucket_done(self, bucket)
                 if bucket.sparse:  # the result goes into the bucket, which is the .grad
                     bucketing.sparse_write_back(bucket, value)
                     continue
-                result = result_tensor(value, self._comm_hook, bucket.grad_bucket)
+                # The default path's result is [the bucket's own buffer], reduced in place.
+                result = value[0] if self._comm_hook is None and type(value) is list \
+                    and len(value) == 1 and value[0] is bucket.buffer \
+                    else result_tensor(value, self._comm_hook, bucket.grad_bucket
+                                       or GradBucket.of(bucket, len(self.layout.buckets)))
                 if self.trace is not None:
                     self.trace.record("complete", bucket=bucket.index)
                 writeback.write_back_bucket(bucket, result, plain=plain, zero_copy=self.zero_copy,
@@ -986,8 +1027,7 @@ class Reducer(TorchReducerAPI):
                                             skip=skip)
             if track_unused:  # the used map: nothing to wait for or reset otherwise
                 self.unused_search.finish(self.wait)
-            if self.runtime_log is not None:
-                self.runtime_log.mark(BACKWARD_COMM_END)
+            self.observers.backward_finished(self)
             if self.trace is not None:
                 self.trace.record("finalized")
 

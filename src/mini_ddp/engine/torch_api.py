@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from mini_ddp.engine.device_timer import DeviceTimer, timer_for
+from mini_ddp.engine import observer
 from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook
 
 # ==== the logging data: _get_ddp_logging_data() ===============================================
@@ -50,7 +50,8 @@ from mini_ddp.engine.hooks import GradBucket, allreduce_sum_hook, launch_hook
 # written back), the four durations between them and their running averages — integers in
 # nanoseconds, as torch's — and ``prev_iteration_grad_ready_order_indices``. On a GPU the
 # durations come, as from torch's CUDA timer, from CUDA events recorded beside the host
-# timestamps (:class:`~mini_ddp.engine.device_timer.DeviceTimer`): a host clock on a GPU only
+# timestamps (:class:`~mini_ddp.watch.device_timer.DeviceTimer`, through
+# :func:`mini_ddp.engine.observer.device_timer`): a host clock on a GPU only
 # sees launches. The five ``*_start``/``*_end`` timestamps stay host times, as torch's.
 #
 # Runtime statistics are sampled like DDP's: the first ten iterations, then one iteration in
@@ -101,7 +102,7 @@ class RuntimeLog:
     # The rebuilt layout as last published ({} before the rebuild was seen): torch's logger
     # copies it at a sampled forward's start, before that forward rebuilds the buckets.
     rebuilt: dict[str, str] = field(default_factory=dict)
-    timer: DeviceTimer | None = None  # CUDA: durations between device events, as torch's
+    timer: Any = None  # a DeviceTimer on CUDA: durations between device events, as torch's
     times_collected: bool = True  # False for a multi-device CUDA module, as in torch
     _events: dict[str, int] = field(default_factory=dict, repr=False)
     _device_events: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -111,7 +112,7 @@ class RuntimeLog:
         """Time on the parameters' ``devices`` as torch's timer registry picks: CUDA events
         for a CUDA module, host time otherwise; none for a CUDA module on several devices."""
         devices = list(dict.fromkeys(devices))
-        self.timer = timer_for(devices[0]) if devices else None
+        self.timer = observer.device_timer(devices[0]) if devices else None
         self.times_collected = not (self.timer is not None and len(devices) > 1)
 
     def set_sample_rate(self, sample_rate: int) -> None:
@@ -176,6 +177,20 @@ class RuntimeLog:
         if start in self._events and end in self._events:
             return self._events[end] - self._events[start]
         return None
+
+    # The reducer's events (mini_ddp.engine.observer) that torch's timer stamps; the
+    # backward's compute start is stamped by the reducer as it arms its hooks.
+    def bucket_launched(self, reducer: Any, bucket: Any) -> None:
+        """The first launch of a step stamps ``backward_comm_time_start``."""
+        self.mark(BACKWARD_COMM_START)
+
+    def backward_ended(self, reducer: Any) -> None:
+        """The end-of-backward callback starts: ``backward_compute_time_end``."""
+        self.mark(BACKWARD_COMPUTE_END)
+
+    def backward_finished(self, reducer: Any) -> None:
+        """Every bucket is written back: ``backward_comm_time_end``."""
+        self.mark(BACKWARD_COMM_END)
 
     def record_error(self, err: BaseException) -> None:
         self.error = str(err)

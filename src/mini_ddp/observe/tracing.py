@@ -19,7 +19,7 @@ because the reducer only *observes* completion later, when backward has ended. O
 callback runs as soon as the collective is queued (NCCL's futures are done at launch), so
 there it records a CUDA event on the callback's stream — which torch makes wait for the
 collective — and the event's device time, placed on the host clock through an anchor event
-(:class:`~mini_ddp.engine.device_timer.DeviceTimer`), is the collective's end. Such an end
+(:class:`~mini_ddp.watch.device_timer.DeviceTimer`), is the collective's end. Such an end
 carries ``clock="device"``; the Chrome trace's all-reduce names its clock in ``args``.
 
 What ran is part of the record, because mini_ddp's own fast paths are not torch DDP's: a
@@ -49,8 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mini_ddp.engine.device_timer import DeviceTimer, timer_for
 from mini_ddp.observe.spans import Event, RankTrace, Span, spans
+from mini_ddp.watch.device_timer import DeviceTimer, timer_for
 
 
 class TraceRecorder:

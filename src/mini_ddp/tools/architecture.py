@@ -19,10 +19,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1]
 
 # Drawn bottom to top; engine and ladder are one layer (neither imports the other).
-ROWS: list[str] = ["errors", "transport", "engine", "ladder", "observe", "training", "tools",
-                   "integrations", "mini_ddp"]
-RANK = {"errors": 0, "transport": 1, "engine": 2, "ladder": 2, "observe": 3, "training": 4,
-        "tools": 5, "integrations": 6, "mini_ddp": 7}
+ROWS: list[str] = ["errors", "transport", "engine", "ladder", "watch", "checks", "observe",
+                   "training", "tools", "integrations", "mini_ddp"]
+RANK = {"errors": 0, "transport": 1, "engine": 2, "ladder": 2, "watch": 3, "checks": 4,
+        "observe": 5, "training": 6, "tools": 7, "integrations": 8, "mini_ddp": 9}
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:

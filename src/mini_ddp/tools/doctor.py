@@ -1,6 +1,6 @@
 """``python -m mini_ddp doctor DIR``: line the ranks' flight recorder dumps up, say what differs.
 
-Each rank's dump (:class:`mini_ddp.engine.flight_log.FlightLog`) lists the collectives the engine
+Each rank's dump (:class:`mini_ddp.watch.flight_log.FlightLog`) lists the collectives the engine
 launched — bucket all-reduces, the start-up and per-forward broadcasts, the unused-parameter
 map, join's collectives — numbered in launch order: the same numbers on every rank while they
 agree. The doctor finds the first collective some rank never launched ("rank 1 never launched
@@ -9,7 +9,7 @@ collectives launched everywhere but completed nowhere (the network, or a dead pe
 whose same-numbered collectives differ (a desync), ranks that left no dump or did not answer
 when asked for their stacks, and shows each late rank's Python stack. A rank that left no dump
 is said to have finished (or failed with an exception) when a survivor read its finish mark in
-the store (:mod:`mini_ddp.engine.peers`), and to have most likely died only when it left none.
+the store (:mod:`mini_ddp.watch.peers`), and to have most likely died only when it left none.
 
 The same directory also holds torch-format dumps (``mini_ddp_fr_<rank>``), for torch's own
 analyser: ``python -m torch.distributed.flight_recorder.fr_trace DIR``.
@@ -22,9 +22,8 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from mini_ddp.engine.flight_log import BUCKET_OP, OPS
-from mini_ddp.engine.stacks import describe_answer, format_stacks
-from mini_ddp.observe.flight_recorder import read_dumps
+from mini_ddp.watch.flight_log import BUCKET_OP, OPS, read_dumps
+from mini_ddp.watch.stacks import describe_answer, format_stacks
 
 
 def _what(entry: dict[str, Any]) -> str:

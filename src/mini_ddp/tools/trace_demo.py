@@ -65,9 +65,9 @@ def _traced_rank(ctx: RankContext, opts: dict) -> tuple[Any, str]:
 
 
 def _overhead_rank(ctx: RankContext, opts: dict) -> dict[str, tuple[float, float]]:
-    from mini_ddp.observe.desync import DesyncDetector
+    from mini_ddp.checks.replicas import DesyncDetector
     from mini_ddp.observe.tracing import TraceRecorder, attach, detach
-    from mini_ddp.observe.watchdog import StallWatchdog
+    from mini_ddp.watch.stall import StallWatchdog
 
     model, opt, batches = _setup(ctx, opts)
     for batch in batches:  # warm-up, and the bucket rebuild

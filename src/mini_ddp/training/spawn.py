@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mini_ddp.engine.peers import mark_failed
 from mini_ddp.training.launch import LOOPBACK, keep_gloo_on_loopback, store_server
+from mini_ddp.watch.peers import mark_failed
 
 _CONTEXT: Any = None
 

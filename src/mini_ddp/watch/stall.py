@@ -11,26 +11,53 @@ waits for the process group's timeout, and so does ``sync_timeout_s`` by default
 
 The report runs in a thread of its own, from a snapshot of the rank's state taken as the wait
 passes the limit, and every store call it makes has a deadline
-(:func:`mini_ddp.engine.bounded_store.bounded_store_call`): the wait, its deadline and training
+(:func:`mini_ddp.watch.bounded_store.bounded_store_call`): the wait, its deadline and training
 go on exactly as without the warning, and a store that is slow, frozen or gone costs one log
 line ("the rendezvous store did not answer within 2 s: no stall report this time"). As each
 rank's models are watched, the rank also leaves a mark as it finishes
-(:mod:`mini_ddp.engine.peers`), so that a peer that finished is not reported as dead.
+(:mod:`mini_ddp.watch.peers`), so that a peer that finished is not reported as dead.
 
 This is Horovod's stall check, without its coordinator: each waiting rank asks the store.
 It then asks each late rank *where* it is — its Python stacks, answered by the rank's stack
-responder thread (:class:`mini_ddp.engine.stacks.StackResponder`) through the same store — and puts
+responder thread (:class:`mini_ddp.watch.stacks.StackResponder`) through the same store — and puts
 them in the report, or says the rank did not answer (native code holding the GIL, or dead).
-Every rank involved writes its flight recorder dump (:class:`mini_ddp.engine.flight_log.FlightLog`), for
+Every rank involved writes its flight recorder dump (:class:`mini_ddp.watch.flight_log.FlightLog`), for
 ``python -m mini_ddp doctor DIR``.
 
 Cost on the happy path: nothing per step — no collective, no store access; the store is used
 only once a wait has passed the limit (or ``sync_timeout_s`` has:
 :meth:`StallMonitor.on_timeout` asks the late ranks too). Installing starts the responder (one
 daemon thread blocked in one ``store.wait`` on its own connection) and the flight log (a
-``deque.append`` per collective). :class:`mini_ddp.observe.watchdog.StallWatchdog` builds on
-this class: it leaves marks at every bucket launch (so the report can say which parameters a
-rank never produced) and can raise instead of warn.
+``deque.append`` per collective).
+
+The stall report, opt-in: :class:`StallWatchdog` builds on the same monitor. The stall report: when gradient sync stops, every rank says where and who is missing.
+
+The classic DDP hang: on one rank a parameter gets no gradient (its branch was skipped, its
+output left out of the loss). That rank's bucket never fills, so it never launches that
+bucket's all-reduce (nor any later one); its backward simply returns, and only its *next*
+forward raises. Every other rank launched the bucket and now waits for a partner that will
+never come — with torch DDP, for the process group's timeout (torch's default: 30 minutes), with no word on why.
+
+``StallWatchdog(model, limit_s=60)`` makes each rank leave marks in the process group's store
+(the key-value store every rank already shares): which step it is in and how many buckets it
+launched, and — the moment its backward ends with buckets unlaunched — which of its parameters
+got no gradient. A rank that waits longer than ``limit_s`` for a collective (or sees it fail
+because the peer died) reads everyone's marks and raises :class:`StallError` with a report
+naming the rank and the parameters; the rank at fault raises the same report at its next
+forward. With ``action="warn"`` the report is logged and waiting goes on (for up to
+``sync_timeout_s`` more, then :class:`~mini_ddp.errors.GradSyncTimeout`).
+
+Built on :class:`StallMonitor`, the warning every model has by default
+(``stall_warning_s``): that one marks only once a wait is slow, so it can name a rank that has
+not arrived but not the parameters it never produced. The watchdog replaces it while installed
+and puts it back on ``remove()``.
+
+Cost when installed: a store write per bucket launch and per step (each run off the
+training thread with a deadline: :func:`mini_ddp.watch.bounded_store.bounded_store_call`);
+nothing when not installed.
+
+Every model wears the warning: :func:`attach_stall_warning` is registered with the engine's
+observer registry (:mod:`mini_ddp.engine.observer`) when this module is imported.
 """
 
 from __future__ import annotations
@@ -44,16 +71,21 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mini_ddp.engine.bounded_store import (
+import torch
+from torch.autograd import Variable
+
+from mini_ddp.engine import observer
+from mini_ddp.errors import MiniDDPError
+from mini_ddp.watch.bounded_store import (
     STORE_CALL_S,
     StoreUnanswered,
     bounded_store_call,
     default_store,
     group_key_space,
 )
-from mini_ddp.engine.flight_log import FlightLog, install_dump_signal
-from mini_ddp.engine.peers import PeerState, peer_states, watch
-from mini_ddp.engine.stacks import (
+from mini_ddp.watch.flight_log import FlightLog, install_dump_signal
+from mini_ddp.watch.peers import PeerState, peer_states, watch
+from mini_ddp.watch.stacks import (
     ANSWER_S,
     TIMEOUT_ANSWER_S,
     StackResponder,
@@ -286,7 +318,7 @@ class StallMonitor:
 
     def peer_states(self) -> dict[int, PeerState]:
         """Each rank's last known state: its finish mark when it left one
-        (:func:`mini_ddp.engine.peers.peer_states`), else ``"at step S"`` from its latest
+        (:func:`mini_ddp.watch.peers.peer_states`), else ``"at step S"`` from its latest
         stall mark when it left one, else ``"unknown"``. Bounded; never raises."""
         states = peer_states(group=getattr(self.reducer, "group", None))
         try:
@@ -532,3 +564,132 @@ def _finished_well(future: Any) -> bool:
     except Exception:  # noqa: BLE001 - failed: not finished well
         return False
     return True
+
+
+class StallError(MiniDDPError):
+    """Gradient synchronisation stalled or failed; ``report`` says where and who."""
+
+    def __init__(self, report: StallReport):
+        self.report = report
+        super().__init__(str(report))
+
+
+class StallWatchdog(StallMonitor):
+    """Watch ``model``'s gradient sync; report stalls longer than ``limit_s`` seconds.
+
+    Does nothing until :meth:`install` (or ``with StallWatchdog(model):``).
+    """
+
+    eager_marks = True
+
+    def __init__(self, model: Any, limit_s: float = 60.0, action: str = "raise",
+                 store: Any = None):
+        if action not in ("raise", "warn"):
+            raise ValueError(f"mini_ddp: StallWatchdog action must be 'raise' or 'warn', "
+                             f"got {action!r}")
+        super().__init__(model.reducer, model.process_group, limit_s, store)
+        self.model, self.action = model, action
+        self._store_warned = False
+
+    # ---- install / remove -------------------------------------------------------------------
+    def install(self) -> StallWatchdog:
+        """Start watching (idempotent); returns self."""
+        if self.reducer.on_stall != self.on_stall:
+            self.reducer.observers.add(self, first=True)  # its forward report comes first
+            super().install()
+        return self
+
+    def remove(self) -> None:
+        """Stop watching; the model's default stall warning (if any) is back."""
+        self.reducer.observers.remove(self)
+        super().remove()
+
+    # ---- marks (the engine's events: mini_ddp.engine.observer) ---------------------------
+    def bucket_launched(self, reducer: Any, bucket: Any) -> None:
+        """A launch: this rank's mark says how far its backward got."""
+        self._mark("backward", launched=bucket.index + 1)
+
+    def backward_begun(self, reducer: Any) -> None:
+        """First gradient of this backward: check, when backward ends, that every bucket
+        launched. That is the earliest moment a rank can know it will stall the others."""
+        Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def backward_finished(self, reducer: Any) -> None:
+        """Every bucket is written back: this step is done here."""
+        self._mark("finalized", launched=len(reducer.layout.buckets))
+
+    def forward_begun(self, model: Any) -> None:
+        """A forward with this rank's last backward unfinished: the engine would raise too;
+        say why first."""
+        if self.reducer.step.require_finalize and torch.is_grad_enabled():
+            try:
+                report = self.report(None, None)
+            except StoreUnanswered:
+                return  # the engine's own error follows, without the marks
+            self.act(report, None)
+
+    def _mark(self, state: str, **info: Any) -> None:
+        """Leave a mark; a store that does not take it costs one log line (the first time),
+        never the step: while it stays stuck, later marks fail at once."""
+        try:
+            self.publish(state, **info)
+        except StoreUnanswered as problem:
+            if not self._store_warned:
+                self._store_warned = True
+                logger.warning("mini_ddp: rank %d's stall watchdog cannot leave its marks: %s "
+                               "(training goes on; reports will lack this rank's progress)",
+                               self.reducer.rank, problem)
+
+    def _backward_ended(self) -> None:
+        if self.reducer.step.next_bucket < len(self.reducer.layout.buckets):
+            self._mark("ended_unfinished", launched=self.reducer.step.next_bucket)
+
+    # ---- the report ---------------------------------------------------------------------------
+    def on_stall(self, reducer: Any, bucket: Any, error: BaseException | None) -> None:
+        """Called by the reducer after ``limit_s`` without an answer, or when the collective
+        failed (a dead peer). Our own marks first, so other ranks' reports include them. Made
+        in the waiting thread (so that ``action="raise"`` raises there), every store call
+        bounded: a store that does not answer costs one log line and the wait goes on."""
+        if error is not None:
+            self.failed(bucket)
+        try:
+            self.publish("failed" if error else "waiting", launched=reducer.step.next_bucket,
+                         waiting_for=None if bucket is None else bucket.index)
+            report = self.report(bucket, error)
+        except StoreUnanswered as problem:
+            logger.warning("mini_ddp: rank %d's stall watchdog could not read the ranks' "
+                           "marks: %s: no stall report this time", reducer.rank, problem)
+            return
+        self.diagnose(report)  # the late ranks' stacks (not a dead peer's), and the dumps
+        self.act(report, error)
+
+    def act(self, report: StallReport, error: BaseException | None) -> None:
+        """Raise :class:`StallError`, or (``action="warn"``) log it and let the wait go on."""
+        if self.action == "raise":
+            raise StallError(report) from error
+        super().act(report, error)
+
+
+# ---- what every model wears (mini_ddp.engine.observer's registry) ------------------------
+def startup_flight_log(model: Any) -> FlightLog | None:
+    """The flight log that records ``model``'s start-up broadcast: kept with the stall
+    warning (None when ``stall_warning_s=None``)."""
+    if model.config.stall_warning_s is None:
+        return None
+    return FlightLog.of_group(model.process_group)
+
+
+def attach_stall_warning(model: Any) -> None:
+    """The default stall warning (``stall_warning_s``) on ``model``'s reducer, with its
+    flight log (the one that recorded the start-up broadcast, when there is one)."""
+    reducer = model.reducer
+    if model.config.stall_warning_s is None:
+        model.stall_monitor = None
+        return
+    if reducer.flight is not None:  # made before its reducer: read its progress at dumps
+        reducer.flight.watch(reducer)
+    model.stall_monitor = StallMonitor(reducer, model.process_group,
+                                       model.config.stall_warning_s).install()
+
+
+observer.register(attach_stall_warning, recorder=startup_flight_log)

@@ -9,7 +9,7 @@ launch, and a stamp when the engine's wait for it returns (a collective nobody w
 asked at dump time).
 
 A dump writes this rank's ring, its own Python stacks and why it dumped into a directory: the
-keyword ``dump_dir`` (:func:`mini_ddp.observe.flight_recorder.flight_recorder`), else the
+keyword ``dump_dir`` (:func:`flight_recorder`), else the
 environment variable ``MINI_DDP_FLIGHT_DIR``, else ``./mini_ddp_flight`` — created only when a
 dump happens. Two files per rank:
 
@@ -25,6 +25,16 @@ when ``MINI_DDP_FLIGHT_SIGNAL=1`` is set or :func:`install_dump_signal` was call
 is installed when the main thread creates the first log and SIGUSR1 has no other Python
 handler; Python runs it in the main thread, so a main thread blocked inside a C call dumps when
 that call returns — the store-based ask does not wait for that).
+
+From the user's side: where a model's dumps go, dump now, read them. ::
+
+    from mini_ddp.watch.flight_log import dump, flight_recorder
+    flight_recorder(model, dump_dir="/shared/flight")   # or MINI_DDP_FLIGHT_DIR=/shared/flight
+    ...
+    dump(model, "before the checkpoint")                  # on demand, this rank only
+
+Then ``python -m mini_ddp doctor /shared/flight`` lines the ranks up (ranks on several hosts
+dump on their own host: copy the files into one directory first).
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mini_ddp.engine.stacks import thread_stacks
+from mini_ddp.watch.stacks import thread_stacks
 
 logger = logging.getLogger("mini_ddp")
 
@@ -128,6 +138,16 @@ class FlightLog:
         self.step = step
         self.ring.append(entry)
         self._open[bucket.index] = entry
+
+    # The engine's events (mini_ddp.engine.observer): the reducer sets this log as its
+    # ``flight``, which makes it an observer of the bucket launches and completions.
+    def bucket_launched(self, reducer: Any, bucket: Any) -> None:
+        """Event: ``bucket``'s collective started."""
+        self.launched(reducer.step.num_iterations, bucket)
+
+    def bucket_done(self, reducer: Any, bucket: Any) -> None:
+        """Event: the wait for ``bucket`` returned."""
+        self.completed(bucket.index)
 
     def started(self, op: str, step: int, tensor: Any, work: Any = None) -> list:
         """Record the launch of one of the engine's other collectives, ``op`` (a key of
@@ -294,3 +314,36 @@ def install_dump_signal() -> bool:
     signal.signal(sig, lambda *_: dump_all("on demand (SIGUSR1)"))
     _signal_installed = True
     return True
+
+
+# ---- the user's side: where a model's dumps go, dump now, read them ---------------------
+def flight_recorder(model: Any, dump_dir: str | os.PathLike | None = None,
+                    entries: int | None = None) -> FlightLog:
+    """``model``'s flight log, with its dump directory and ring size set when given.
+
+    Raises ``ValueError`` for a model without one (``stall_warning_s=None``).
+    """
+    log = getattr(getattr(model, "reducer", None), "flight", None)
+    if log is None:
+        raise ValueError("mini_ddp: this model has no flight recorder: it is kept by the stall "
+                         "warning, which stall_warning_s=None turned off")
+    if dump_dir is not None:
+        log.dump_dir = dump_dir
+    if entries is not None and entries != log.ring.maxlen:
+        log.ring = type(log.ring)(log.ring, maxlen=entries)
+    return log
+
+
+def dump(model: Any, reason: str = "on demand") -> Path | None:
+    """Write this rank's flight recorder dump now; returns the JSON file's path."""
+    return flight_recorder(model).dump(reason)
+
+
+def read_dumps(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """Every ``rank<R>.json`` dump in ``directory``, by rank."""
+    found = {}
+    for path in sorted(Path(directory).glob("rank*.json")):
+        data = json.loads(path.read_text())
+        if data.get("format") == "mini_ddp flight recorder":
+            found[int(data["rank"])] = data
+    return found

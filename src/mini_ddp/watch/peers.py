@@ -18,7 +18,7 @@ recorder's dump use it to say "rank 1 finished (destroyed its process group) aft
 and say a rank most likely died only when it left no mark.
 
 Every store call here runs off the calling thread with a deadline
-(:func:`~mini_ddp.engine.bounded_store.bounded_store_call`): a finishing rank whose store is
+(:func:`~mini_ddp.watch.bounded_store.bounded_store_call`): a finishing rank whose store is
 frozen or gone exits on time without its mark, and a reader says the store did not answer.
 Cost: nothing per step; one store ``set`` per rank at its end, reads only when something failed.
 """
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call, default_store
 from mini_ddp.errors import explain_peers_with
+from mini_ddp.watch.bounded_store import StoreUnanswered, bounded_store_call, default_store
 
 __all__ = ["FINISH_MARK_S", "READ_S", "PeerState", "describe_finished", "explain_peers",
            "mark_failed", "mark_finished", "peer_states", "watch"]

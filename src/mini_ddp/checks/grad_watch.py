@@ -6,7 +6,7 @@ Two mistakes only the local gradients show, before the all-reduce mixes them:
   NaN; the all-reduce then makes every rank's gradient — and weights — NaN, and nothing says
   where it started. A tensor hook on each parameter checks the incoming local gradient
   (``torch.isfinite``); the first non-finite one is logged by its rank with the parameter's
-  name and posted on the :class:`~mini_ddp.engine.rank_board.RankBoard`, and every other rank
+  name and posted on the :class:`~mini_ddp.checks.rank_board.RankBoard`, and every other rank
   names that rank at its next forward. A warning, not an error: ``torch.amp.GradScaler`` skips
   steps with Inf gradients on purpose.
 * **A training forward that bypasses the wrapper.** ``model.module(x)`` (or the inner module
@@ -14,7 +14,7 @@ Two mistakes only the local gradients show, before the all-reduce mixes them:
   (torch DDP ignores them) and the other ranks wait for it. A post-accumulate-grad hook sees a
   backward (a new autograd graph task) into the wrapped parameters that no forward through the
   wrapper preceded, and raises :class:`WrapperBypassedError` on that rank, posting the verdict
-  for the waiting ranks (:class:`~mini_ddp.engine.fingerprint.Fingerprints` quotes it).
+  for the waiting ranks (:class:`~mini_ddp.checks.fingerprint.Fingerprints` quotes it).
 
 The post-accumulate hook is also where a synchronised backward's fingerprint is taken: it runs
 before the reducer's own hook of the same parameter, so before any bucket is launched.

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mini_ddp.engine.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
+from mini_ddp.watch.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
 
 logger = logging.getLogger("mini_ddp")
 
@@ -287,8 +287,8 @@ def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,
     Returns ``{rank: answer}``: an answer is ``{"answered": True, "stacks": [...], "time"}``, or
     ``{"answered": False, "waited_s": answer_s}`` for a rank that did not answer in time. Every
     store call runs off this thread with a deadline of ``call_s``
-    (:func:`~mini_ddp.engine.bounded_store.bounded_store_call`): a store that does not answer
-    raises :class:`~mini_ddp.engine.bounded_store.StoreUnanswered`, never blocks.
+    (:func:`~mini_ddp.watch.bounded_store.bounded_store_call`): a store that does not answer
+    raises :class:`~mini_ddp.watch.bounded_store.StoreUnanswered`, never blocks.
     """
     now = time.time()
     request = json.dumps({"from": asked_by, "time": now, "why": why, "answer_s": answer_s})

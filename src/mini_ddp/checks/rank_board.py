@@ -1,7 +1,7 @@
 """A notice board in the process group's store: each rank pins small records, reads its peers'.
 
-The checks that name a user's mistake across ranks (:mod:`mini_ddp.engine.replicas`,
-:mod:`mini_ddp.engine.fingerprint`, :mod:`mini_ddp.engine.grad_watch`) compare what each rank
+The checks that name a user's mistake across ranks (:mod:`mini_ddp.checks.replicas`,
+:mod:`mini_ddp.checks.fingerprint`, :mod:`mini_ddp.checks.grad_watch`) compare what each rank
 saw without a collective of their own: a collective on the model's group is exactly what a
 desynchronised job cannot afford (it would pair with the wrong collective of another rank,
 or hang). The store every rank already shares carries them instead, each model under a key
@@ -9,7 +9,7 @@ prefix of its own: ``post`` a JSON record under a key for this rank, ``read`` th
 peer left under the same key (None while it has not), ``wait_all`` with a deadline.
 
 The checks observe; they must never hold training up. Every store call therefore runs off the
-calling thread with a deadline (:func:`~mini_ddp.engine.bounded_store.bounded_store_call`), and
+calling thread with a deadline (:func:`~mini_ddp.watch.bounded_store.bounded_store_call`), and
 the first one the store does not answer (frozen, gone) takes the board offline: one WARNING,
 then ``post`` and ``remove`` do nothing and ``read`` finds nothing, so each check skips its
 comparison (``offline``) while training goes on, as it would under torch DDP.
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mini_ddp.engine.bounded_store import (
+from mini_ddp.watch.bounded_store import (
     StoreUnanswered,
     bounded_store_call,
     default_store,

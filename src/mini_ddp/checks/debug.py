@@ -1,7 +1,7 @@
 """mini_ddp's debug switch, and the checks a model runs with and without it.
 
 **Always on** (nearly free, docs/debugging.md has the figure): the replica check
-(:mod:`mini_ddp.engine.replicas` — identical data on every rank at step 1; parameters, buffers,
+(:mod:`mini_ddp.checks.replicas` — identical data on every rank at step 1; parameters, buffers,
 train/eval modes and parameter sets compared at step 1 and every ``replica_check_every``
 steps), a WARNING when something differs.
 
@@ -9,12 +9,12 @@ steps), a WARNING when something differs.
 ``MINI_DDP_DEBUG=1``, or torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` — adds what costs a
 store round trip or a pass over every gradient per step:
 
-* collective fingerprints (:mod:`mini_ddp.engine.fingerprint`): an extra forward through the
+* collective fingerprints (:mod:`mini_ddp.checks.fingerprint`): an extra forward through the
   wrapper on one rank, uneven inputs, a collective on some ranks only — named before the
   collective that would pair wrongly;
-* the local-gradient watch (:mod:`mini_ddp.engine.grad_watch`): the rank and parameter where a
+* the local-gradient watch (:mod:`mini_ddp.checks.grad_watch`): the rank and parameter where a
   NaN/Inf first appeared, a training forward that bypasses the wrapper;
-* the replica check raises :class:`~mini_ddp.engine.replicas.ReplicasDifferError` instead of
+* the replica check raises :class:`~mini_ddp.checks.replicas.ReplicasDifferError` instead of
   warning.
 
 With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch's ``ProcessGroupWrapper`` checks every
@@ -25,30 +25,22 @@ error opens with torch's verdict and says which of mini_ddp's collectives met it
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from mini_ddp.engine.fingerprint import Fingerprints
-from mini_ddp.engine.grad_watch import GradWatch
-from mini_ddp.engine.rank_board import RankBoard
-from mini_ddp.engine.replicas import ReplicaCheck
-from mini_ddp.engine.stacks import ask_stacks
+from mini_ddp.checks.fingerprint import Fingerprints
+from mini_ddp.checks.grad_watch import GradWatch
+from mini_ddp.checks.rank_board import RankBoard
+from mini_ddp.checks.replicas import ReplicaCheck
+from mini_ddp.engine import observer
+from mini_ddp.engine.config import DEBUG_ENV, debug_requested  # noqa: F401  (the switch, here too)
+from mini_ddp.watch.stacks import ask_stacks
 
-ENV = "MINI_DDP_DEBUG"
+ENV = DEBUG_ENV
 SWITCH = "MINI_DDP_DEBUG=1 (or DataParallelModel(debug=True), or TORCH_DISTRIBUTED_DEBUG=DETAIL)"
-
-
-def debug_requested(explicit: bool | None = None) -> bool:
-    """The switch: ``explicit`` when given, else ``MINI_DDP_DEBUG`` (anything but empty or
-    ``0``), else whether torch's ``TORCH_DISTRIBUTED_DEBUG`` is ``DETAIL``."""
-    if explicit is not None:
-        return explicit
-    if os.environ.get(ENV, "") not in ("", "0"):
-        return True
-    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 
 class SyncChecks:
@@ -111,6 +103,21 @@ class SyncChecks:
         if self.watch is not None:
             self.watch.peers_nonfinite()
 
+    # ---- the engine's events (mini_ddp.engine.observer) ----------------------------------
+    def forward_begun(self, model: Any) -> None:
+        """Debug switch: the checks of a forward about to run its collectives."""
+        if self.debug:
+            grad_enabled = torch.is_grad_enabled()
+            synced = grad_enabled and model.require_backward_grad_sync
+            self.before_collectives(grad_enabled, synced, model.will_sync_module_buffers(),
+                                    model.reducer.step.num_iterations + synced,
+                                    joining=model.joining)
+
+    def forward_ready(self, model: Any, buffers_synced: bool) -> None:
+        """A synchronised forward has broadcast its buffers (or had none to)."""
+        self.after_buffer_sync(model.reducer.step.num_iterations, buffers_synced,
+                               joining=model.joining)
+
     def remove(self) -> None:
         """Take every hook off."""
         if self.replicas is not None:
@@ -129,3 +136,20 @@ def _ask(model: Any, ranks: list[int]) -> dict[int, Any]:
             model.process_group), why="mini_ddp's debug check: a collective did not come")
     except Exception:  # noqa: BLE001 - a report without stacks beats none
         return {}
+
+
+def attach_checks(model: Any) -> None:
+    """The checks every model wears (docs/debugging.md): the replica check always, the rest
+    under the debug switch; none in torch's python-reducer mode (no hooks run). A new reducer
+    keeps the store key space of the old one: the ranks name it alike."""
+    old = model.sync_checks
+    if old is not None:
+        old.remove()
+    model.sync_checks = None if model.uses_python_reducer else SyncChecks(
+        model, model.config.debug, model.config.replica_check_every,
+        board=None if old is None else old.board)
+    if model.sync_checks is not None:
+        model.reducer.observers.add(model.sync_checks)
+
+
+observer.register(attach_checks)

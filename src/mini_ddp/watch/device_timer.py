@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from mini_ddp.engine import observer
+
 NS_PER_MS = 1_000_000  # CUDA events measure milliseconds (float); torch reports integer ns
 
 
@@ -91,3 +93,6 @@ def timer_for(device: torch.device | None) -> DeviceTimer | None:
     if device is None or device.type != "cuda":
         return None
     return DeviceTimer(device)
+
+
+observer.register_timer(timer_for)  # the runtime logging data's CUDA timestamps

@@ -7,12 +7,12 @@ ranks" when they differ. It cannot tell *which* mistake made them differ, and it
 collectives that happen to have the same shape (the buffer broadcast of an evaluation forward
 on one rank pairs silently with the next training broadcast of the others).
 
-Under mini_ddp's debug switch (:func:`mini_ddp.engine.debug.debug_requested`) the model does
+Under mini_ddp's debug switch (:func:`mini_ddp.checks.debug.debug_requested`) the model does
 the same for its own collectives, with what they mean: before the collectives of each forward
 (the bucket rebuild, the buffer broadcast) and before the first bucket of each synchronised
 backward, each rank posts a fingerprint — sequence number, forward or backward, the step, grad
 mode, whether buffers are broadcast, and the user's line that called the forward — on a
-:class:`~mini_ddp.engine.rank_board.RankBoard`, and waits for its peers' fingerprint of the same
+:class:`~mini_ddp.checks.rank_board.RankBoard`, and waits for its peers' fingerprint of the same
 sequence number (the store, not a collective: a collective could pair with the wrong one).
 
 * A different fingerprint raises :class:`SyncMismatchError` on every rank, before the

@@ -1,0 +1,175 @@
+"""The one interface between the engine and the layers that watch or check it.
+
+The engine moves gradients; :mod:`mini_ddp.watch` (the stall warning, the flight log) and
+:mod:`mini_ddp.checks` (the replica check, the debug checks) only look. They hear what happens
+through the events below, one call per event, and the engine imports neither of them: they
+register here when imported (``import mini_ddp`` imports both), and every model built after
+that wears them.
+
+Events, in the order of a step (``model`` is the ``DataParallelModel``, ``reducer`` its
+:class:`~mini_ddp.engine.reducer.Reducer`, ``bucket`` a :class:`~mini_ddp.engine.buckets.Bucket`):
+
+=========================================  =================================================
+``forward_begun(model)``                   a forward starts, before any of its collectives
+``forward_ready(model, buffers_synced)``   a synchronised forward has broadcast its buffers
+                                           (``buffers_synced``: it had some to broadcast)
+``order_decided(reducer, decision)``       how gradients are read from now on: ``"rebuild"``
+                                           (buckets rebuilt in the order seen), ``"grouped"``
+                                           (one hook per group), ``"fallback"`` (one hook per
+                                           gradient again)
+``backward_begun(reducer)``                the first gradient of a synchronised backward
+``bucket_launched(reducer, bucket)``       the bucket's collective has started
+``backward_ended(reducer)``                autograd is done; the end-of-backward wait begins
+``wait_begun(reducer, bucket)``            a wait must block (the collective has not finished;
+``wait_ended(reducer, bucket)``            ``bucket`` None: the used-parameter map), and ended
+``bucket_done(reducer, bucket)``           the bucket's result has been waited for
+``backward_finished(reducer)``             every bucket is written back into ``.grad``
+=========================================  =================================================
+
+An observer is any object with some of these methods (:class:`Observer` has them all, doing
+nothing). A reducer's :class:`Observers` binds each event to exactly what listens: nothing (a
+no-op), one method (called directly) or several in turn, so a step pays one Python call per
+event and no loop when nobody listens. An observer must not raise on the way, except to
+name a user's mistake (the checks do, as the engine would).
+
+Two seams stay outside these events because they are not events: a slow wait asks for a
+verdict (``reducer.on_stall`` / ``reducer.on_timeout``, installed by the stall warning), and
+the engine's other collectives (start-up and buffer broadcasts, join's, the used map) are
+recorded in ``reducer.flight`` when a flight log is set there (``started(op, step, tensor)``
+returns an entry, ``finished(entry)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+EVENTS = ("forward_begun", "forward_ready", "order_decided", "backward_begun",
+          "bucket_launched", "backward_ended", "wait_begun", "wait_ended", "bucket_done",
+          "backward_finished")
+
+
+class Observer:
+    """Every event, doing nothing: subclass and override what you listen to."""
+
+    def forward_begun(self, model: Any) -> None:
+        """A forward starts, before any of its collectives."""
+
+    def forward_ready(self, model: Any, buffers_synced: bool) -> None:
+        """A synchronised forward has broadcast its buffers (or had none to)."""
+
+    def order_decided(self, reducer: Any, decision: str) -> None:
+        """``"rebuild"``, ``"grouped"`` or ``"fallback"``: how gradients are read from now on."""
+
+    def backward_begun(self, reducer: Any) -> None:
+        """The first gradient of a synchronised backward has arrived."""
+
+    def bucket_launched(self, reducer: Any, bucket: Any) -> None:
+        """``bucket``'s collective has started."""
+
+    def backward_ended(self, reducer: Any) -> None:
+        """Autograd is done; the end-of-backward wait begins."""
+
+    def wait_begun(self, reducer: Any, bucket: Any) -> None:
+        """A wait for ``bucket`` (None: the used map) must block."""
+
+    def wait_ended(self, reducer: Any, bucket: Any) -> None:
+        """A blocking wait for ``bucket`` (None: the used map) has returned."""
+
+    def bucket_done(self, reducer: Any, bucket: Any) -> None:
+        """``bucket``'s result has been waited for."""
+
+    def backward_finished(self, reducer: Any) -> None:
+        """Every bucket is written back into ``.grad``."""
+
+
+def _nothing(*_args: Any) -> None:
+    """An event nobody listens to."""
+
+
+def _listens(member: Any, event: str) -> bool:
+    method = getattr(type(member), event, None)
+    return method is not None and method is not getattr(Observer, event)
+
+
+class Observers:
+    """The observers of one reducer; ``observers.<event>(...)`` tells each that listens."""
+
+    def __init__(self) -> None:
+        self.members: list[Any] = []
+        self._bind()
+
+    def add(self, observer: Any, first: bool = False) -> None:
+        """Tell ``observer`` the events it has methods for (``first``: before the others)."""
+        if not any(m is observer for m in self.members):  # identity: dataclasses compare
+            self.members.insert(0 if first else len(self.members), observer)
+            self._bind()
+
+    def remove(self, observer: Any) -> None:
+        """Stop telling ``observer`` (nothing if it was not there)."""
+        kept = [m for m in self.members if m is not observer]
+        if len(kept) != len(self.members):
+            self.members = kept
+            self._bind()
+
+    def _bind(self) -> None:
+        for event in EVENTS:
+            methods = [getattr(m, event) for m in self.members if _listens(m, event)]
+            setattr(self, event, _nothing if not methods else methods[0] if len(methods) == 1
+                    else _in_turn(methods))
+
+
+def _in_turn(methods: list[Callable[..., None]]) -> Callable[..., None]:
+    def call(*args: Any) -> None:
+        for method in methods:
+            method(*args)
+    return call
+
+
+# ---- the registry: the layers above the engine say here what every model wears ----------
+
+_RECORDERS: list[Callable[[Any], Any]] = []
+_WATCHERS: list[Callable[[Any], None]] = []
+_TIMERS: list[Callable[[Any], Any]] = []
+
+
+def register(watchers: Callable[[Any], None],
+             recorder: Callable[[Any], Any] | None = None) -> None:
+    """Make every model built from now on wear ``watchers``.
+
+    ``watchers(model)`` runs each time the model gets a reducer (construction, unpickling,
+    ``_set_static_graph``): it attaches its observers to ``model.reducer.observers`` and sets
+    the model attributes it owns. ``recorder(model)``, when given, runs once at construction
+    before the start-up broadcast and returns the flight log that records it (None: none).
+    """
+    if watchers not in _WATCHERS:
+        _WATCHERS.append(watchers)
+    if recorder is not None and recorder not in _RECORDERS:
+        _RECORDERS.append(recorder)
+
+
+def register_timer(timer_for: Callable[[Any], Any]) -> None:
+    """Where device timestamps come from: ``timer_for(device)`` -> a timer or None (the
+    runtime logging data's CUDA events, :mod:`mini_ddp.watch.device_timer`)."""
+    if timer_for not in _TIMERS:
+        _TIMERS.append(timer_for)
+
+
+def startup_recorder(model: Any) -> Any:
+    """The flight log that records ``model``'s start-up broadcast (None: none registered)."""
+    for recorder in _RECORDERS:
+        found = recorder(model)
+        if found is not None:
+            return found
+    return None
+
+
+def watch(model: Any) -> None:
+    """Attach every registered watcher to ``model`` (which has just got a reducer)."""
+    for watchers in _WATCHERS:
+        watchers(model)
+
+
+def device_timer(device: Any) -> Any:
+    """A device timer for ``device`` from the registered source (None: host time only)."""
+    return _TIMERS[0](device) if _TIMERS else None
