@@ -41,7 +41,7 @@ from mini_ddp.engine.bounded_store import StoreUnanswered, bounded_store_call, d
 from mini_ddp.errors import explain_peers_with
 
 __all__ = ["FINISH_MARK_S", "READ_S", "PeerState", "describe_finished", "explain_peers",
-           "mark_failed", "mark_finished", "peer_states", "watch"]
+           "mark_failed", "mark_finished", "note_mistake", "peer_states", "watch"]
 
 logger = logging.getLogger("mini_ddp")
 
@@ -54,7 +54,7 @@ KEY = "mini_ddp/peers/rank{}"
 _WATCHED: weakref.WeakSet[Any] = weakref.WeakSet()  # reducers whose step a finish mark reports
 _installed = threading.Lock()
 _state: dict[str, Any] = {"installed": False, "marked": None, "exit_error": None,
-                         "last_step": None}
+                         "last_step": None, "mistake": ""}
 
 
 @dataclass
@@ -73,13 +73,15 @@ class PeerState:
     step: int | None = None
     error: str = ""
     time: float | None = None
+    mistake: str = ""  # what a check of this rank named about its own script, if anything
 
     def describe(self) -> str:
         """This state in a message's words ("rank 1 finished (destroyed its process group)
         after step 5")."""
         after = "" if self.step is None else f" after step {self.step}"
         if self.state == "finished":
-            return f"rank {self.rank} finished ({self.how}){after}"
+            told = f", after it reported: {self.mistake}" if self.mistake else ""
+            return f"rank {self.rank} finished ({self.how}){after}{told}"
         if self.state == "failed":
             return f"rank {self.rank} failed{after}: its script raised {self.error}"
         if self.state == "unreachable":
@@ -163,6 +165,13 @@ def _mark_end(how: str, error: BaseException | None) -> None:
         mark_finished(how)
 
 
+def note_mistake(text: str) -> None:
+    """Carry ``text`` (a check's verdict on this rank's own script, e.g. a bypassed wrapper) in
+    this rank's finish mark: a peer then reads that mistake, not uneven inputs, as the cause."""
+    if not _state["mistake"]:
+        _state["mistake"] = text[:600]
+
+
 def mark_failed(error: BaseException) -> bool:
     """Leave this rank's mark as failed with ``error`` (a harness that catches a rank's
     exception and then destroys the group calls this first, so the peers do not read the
@@ -182,7 +191,8 @@ def mark_finished(how: str, error: str = "") -> bool:
             return False
         _state["marked"] = id(store)
         rank = dist.get_rank()
-        mark = json.dumps({"how": how, "step": _steps(), "time": time.time(), "error": error})
+        mark = json.dumps({"how": how, "step": _steps(), "time": time.time(), "error": error,
+                           "mistake": _state["mistake"]})
         bounded_store_call(store, lambda s: s.set(KEY.format(rank), mark), FINISH_MARK_S,
                            "this rank's finish mark")
     except (StoreUnanswered, RuntimeError, ValueError) as problem:
@@ -225,7 +235,7 @@ def peer_states(world_size: int | None = None, store: Any = None,
         else:
             states[rank] = PeerState(rank, "failed" if mark["how"] == "raised" else "finished",
                                      mark["how"], mark.get("step"), mark.get("error", ""),
-                                     mark.get("time"))
+                                     mark.get("time"), mark.get("mistake", ""))
     return states
 
 
@@ -241,7 +251,7 @@ def describe_finished(states: dict[int, PeerState], rank: int) -> str:
         return ""
     text = "; ".join(s.describe() for s in ended) + "."
     steps = _steps()
-    if any(s.state == "finished" for s in ended):
+    if any(s.state == "finished" and not s.mistake for s in ended):
         here = "" if steps is None else f"; this rank was in step {steps}"
         text += (f" A rank that finished while others still train means the ranks ran "
                  f"different numbers of steps (uneven inputs{here}): give every rank the same "
