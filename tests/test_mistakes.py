@@ -23,9 +23,9 @@ BOUND_S = 170  # the default stall warning is 60 s: a hang outlives this, an end
 
 
 def run_script(mistake: str, engine: str = "mini", debug: bool = False,
-               bound_s: float = BOUND_S) -> str:
+               bound_s: float = BOUND_S, env: dict[str, str] | None = None) -> str:
     """The script's output (both ranks); fails when it does not end within ``bound_s``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("MINI_DDP_DEBUG", None)
     if debug:
         env["MINI_DDP_DEBUG"] = "1"
@@ -88,7 +88,6 @@ def test_the_doctor_shows_where_the_peers_of_a_debug_check_were() -> None:
 
 def test_a_training_forward_that_bypasses_the_wrapper_is_named_at_defaults() -> None:
     out = run_script("bypass")
-    assert "rank 1: a backward put gradients into the wrapped model's parameters" in out, out
     said = told(out, 0)
-    assert "after it reported: mini_ddp: rank 1: a backward put gradients" in said, out
+    assert "Ranks [1] never completed a synchronised step: their training forward bypasses" in said, out
     assert "uneven inputs" not in said and "died" not in said, said

@@ -6,6 +6,7 @@ it: tracing and layout explanations, stall and desync detection, teaching collec
 rank harness the tests and tools are built on.
 """
 
+from mini_ddp.attach import attach
 from mini_ddp.engine.comm import ParameterMismatchError
 from mini_ddp.engine.config import DataParallelConfig
 from mini_ddp.engine.fingerprint import SyncMismatchError
@@ -56,6 +57,7 @@ __all__ = [
     "TraceRecorder",
     "UnfinishedReductionError",
     "WrapperBypassedError",
+    "attach",
     "check_in_sync",
     "collective_hook",
     "explain",

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 MISTAKES = ("none", "finish_early", "no_grad_eval", "nan", "bypass", "uneven",
-            "one_rank_collective", "same_data", "load_on_one_rank", "eval_mode", "param_added")
+            "one_rank_collective", "same_data", "load_on_one_rank", "eval_mode", "param_added",
+            "stuck")
 STEPS = 5
 
 
@@ -38,13 +40,15 @@ class Net(nn.Module):
 
 
 def wrap(module: nn.Module, engine: str) -> nn.Module:
+    # STALL_S in the environment: the stall warning's limit (default: mini_ddp's 60 s).
+    stall = {"stall_warning_s": float(os.environ["STALL_S"])} if "STALL_S" in os.environ else {}
     if engine == "mini":
         from mini_ddp import DataParallelModel
-        return DataParallelModel(module)
+        return DataParallelModel(module, **stall)
     model = nn.parallel.DistributedDataParallel(module)
     if engine == "attach":
         import mini_ddp
-        model = mini_ddp.attach(model)
+        model = mini_ddp.attach(model, **stall)
     return model
 
 
@@ -63,6 +67,7 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
     gen = torch.Generator().manual_seed(0 if mistake == "same_data" else 100 + rank)
     steps = STEPS - 2 if mistake == "finish_early" and rank == 1 else STEPS
     steps += 1 if mistake == "uneven" and rank == 0 else 0
+    steps = 100 if mistake == "eval_mode" else steps  # the replica check runs at step 100
     try:
         for step in range(1, steps + 1):
             x = torch.randn(6, 8, generator=gen)
@@ -72,6 +77,8 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
             loss = net(x).square().mean()
             if mistake == "param_added":
                 loss = loss + model.module.extra.square().sum() * x.mean()
+            if mistake == "stuck" and rank == 1 and step == 3:
+                time.sleep(40)  # a rank stuck in its own code before backward (a deadlock)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -86,7 +93,7 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
                 dist.all_reduce(loss.detach().clone())
         if mistake == "uneven":
             dist.all_reduce(loss.detach().clone())  # the epoch's loss, on every rank
-        print(f"[rank {rank}] done: {float(loss):.6f} "
+        print(f"[rank {rank}] done: {float(loss.detach()):.6f} "
               f"{float(next(model.parameters()).detach().sum()):.6f}", flush=True)
     except Exception as exc:
         print(f"[rank {rank}] {type(exc).__name__}: {exc}", flush=True)

@@ -3,9 +3,7 @@
 **Always on** (nearly free, docs/debugging.md has the figures): the replica check
 (:mod:`mini_ddp.engine.replicas` — identical data on every rank at step 1; parameters, buffers,
 train/eval modes and parameter sets compared at step 1 and every ``replica_check_every``
-steps), a WARNING when something differs; and the bypassed-wrapper check of
-:mod:`mini_ddp.engine.grad_watch` (a training backward with no forward through the wrapper),
-a WARNING on that rank.
+steps), a WARNING when something differs.
 
 **The debug switch** — ``DataParallelModel(..., debug=True)``, or the environment variable
 ``MINI_DDP_DEBUG=1``, or torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` — adds what costs a
@@ -69,10 +67,6 @@ class SyncChecks:
         self.replicas = None if self.single or (replica_check_every is None and not debug) \
             else ReplicaCheck(model, self.board, replica_check_every, strict=debug)
         self.fingerprints = self.watch = None
-        if not debug and not self.single:
-            # Nearly free, so on by default: the bypassed-wrapper check, as a WARNING.
-            self.watch = GradWatch(model, self.board, nonfinite=False, strict=False,
-                                   on_mistake=note_mistake)
         if debug and not self.single:
             config = model.config
             monitor = weakref.ref(model)

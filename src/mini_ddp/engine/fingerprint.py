@@ -22,8 +22,9 @@ sequence number (the store, not a collective: a collective could pair with the w
 * A peer that does not come within ``warn_s`` (the stall warning's limit) is asked where it is
   (its Python stack, through the stall monitor's responder): a peer inside a
   ``torch.distributed`` collective that mini_ddp did not issue is named with its line — a
-  collective on some ranks only, or uneven inputs. A WARNING then, :class:`SyncMismatchError`
-  at ``timeout_s`` (``sync_timeout_s``).
+  collective on some ranks only, or uneven inputs: :class:`SyncMismatchError` then, since
+  the two can never pair. Otherwise a WARNING then, :class:`SyncMismatchError` at
+  ``timeout_s`` (``sync_timeout_s``).
 
 Cost: two store round trips per step and a wait for the slowest rank at each fingerprint —
 debugging only (torch's DETAIL mode costs an all-gather per collective).
@@ -235,7 +236,9 @@ class Fingerprints:
         if gone["text"]:
             raise SyncMismatchError(self._ended_report(fp, late, gone["text"]))
         text = self._late_report(fp, late, warn_s)
-        if self.verdicts():
+        if self.verdicts() or any(stuck_in_collective(self._answers.get(r, {})) for r in late):
+            # A peer inside a collective this rank does not run here can never pair with it:
+            # waiting longer only turns the error into the backend's timeout.
             raise SyncMismatchError(text)
         silent = [r for r in late if r in self._answers and not self._answers[r]["answered"]]
         if silent and len(silent) == len(late):

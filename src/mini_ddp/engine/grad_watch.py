@@ -19,9 +19,10 @@ Two mistakes only the local gradients show, before the all-reduce mixes them:
 The post-accumulate hook is also where a synchronised backward's fingerprint is taken: it runs
 before the reducer's own hook of the same parameter, so before any bucket is launched.
 Cost: the bypass check is one Python hook per parameter that returns at once after the first
-parameter of each backward — on by default (a WARNING; the debug switch raises). The NaN check
-adds a ``torch.isfinite(grad).all()`` per gradient and a second hook: docs/debugging.md has
-what each costs and which are on by default.
+parameter of each backward; the NaN check adds a ``torch.isfinite(grad).all()`` per gradient
+and a second hook (docs/debugging.md has both figures). Under mini_ddp's debug switch both run
+and a bypass raises; ``mini_ddp.attach`` on torch's DDP runs the bypass check by default, as a
+WARNING (``strict=False``).
 """
 
 from __future__ import annotations

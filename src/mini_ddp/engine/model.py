@@ -358,7 +358,7 @@ class DataParallelModel(DistributedDataParallel):
             trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
         checks = self.sync_checks
-        if checks is not None:  # before this forward's first collective
+        if checks is not None and checks.debug:  # before this forward's first collective
             checks.before_collectives(grad_enabled, grad_enabled and
                                       self.require_backward_grad_sync,
                                       self.will_sync_module_buffers(),

@@ -251,7 +251,13 @@ def describe_finished(states: dict[int, PeerState], rank: int) -> str:
         return ""
     text = "; ".join(s.describe() for s in ended) + "."
     steps = _steps()
-    if any(s.state == "finished" and not s.mistake for s in ended):
+    never = [s for s in ended if s.state == "finished" and not s.mistake and s.step == 0]
+    if never:
+        # Proven by the mark: it ended without one synchronised step, while others train.
+        text += (f" Ranks {[s.rank for s in never]} never completed a synchronised step: "
+                 "their training forward bypasses the wrapper (model.module(x) trains alone, "
+                 "its gradients never averaged: call model(x)), or their loop got no batches.")
+    if any(s.state == "finished" and not s.mistake and s.step != 0 for s in ended):
         here = "" if steps is None else f"; this rank was in step {steps}"
         text += (f" A rank that finished while others still train means the ranks ran "
                  f"different numbers of steps (uneven inputs{here}): give every rank the same "
