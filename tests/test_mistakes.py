@@ -91,3 +91,35 @@ def test_a_training_forward_that_bypasses_the_wrapper_is_named_at_defaults() -> 
     said = told(out, 0)
     assert "Ranks [1] never completed a synchronised step: their training forward bypasses" in said, out
     assert "uneven inputs" not in said and "died" not in said, said
+
+
+def _killed_rank(ctx) -> str:
+    import signal
+
+    import torch
+    from torch import nn
+
+    from mini_ddp import DataParallelModel
+
+    torch.manual_seed(0)
+    model = DataParallelModel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), debug=True,
+                              stall_warning_s=2)
+    for step in range(1, 6):
+        if ctx.rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # killed: no finish mark, no word
+        model(torch.randn(3, 4)).sum().backward()
+    return "done"
+
+
+def test_the_debug_switch_steps_aside_for_a_rank_that_was_killed() -> None:
+    from mini_ddp import RanksFailed, run_ranks
+
+    # The process group's own timeout (300 s) is far past the bound: only the switch stepping
+    # aside, and the collective then failing at once, ends this run in time.
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_killed_rank, 2, timeout_s=150, collective_timeout_s=300)
+    text = str(failed.value)
+    assert "neither left a finish mark nor answered" not in text  # a WARNING, not the error
+    rank0 = text.split("--- rank 0 ---")[1].split("--- rank 1 ---")[0]
+    assert "CollectiveError" in rank0 and "most likely died" in rank0, rank0
+    assert "still running" not in rank0, rank0

@@ -96,7 +96,8 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
         print(f"[rank {rank}] done: {float(loss.detach()):.6f} "
               f"{float(next(model.parameters()).detach().sum()):.6f}", flush=True)
     except Exception as exc:
-        print(f"[rank {rank}] {type(exc).__name__}: {exc}", flush=True)
+        text = str(exc).replace("\n", " | ")  # one line, so each rank's outcome greps alone
+        print(f"[rank {rank}] {type(exc).__name__}: {text}", flush=True)
         raise SystemExit(1) from exc
     dist.destroy_process_group()
 
