@@ -14,6 +14,17 @@ from mini_ddp import run_ranks
 from mini_ddp.attach import attachment
 
 
+def said_by(output: str, rank: int) -> str:
+    """Every line ``rank`` printed, a multi-line log record's continuation lines included."""
+    lines, mine = [], False
+    for line in output.splitlines():
+        if line.startswith("[rank "):
+            mine = line.startswith(f"[rank {rank}]")
+        if mine:
+            lines.append(line)
+    return "\n".join(lines)
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
@@ -76,6 +87,6 @@ NAMED = [
 def test_a_classic_mistake_is_named_alike_under_attach(engine: str, mistake: str, debug: bool,
                                                         rank: int, text: str) -> None:
     out = run_script(mistake, engine, debug, env={"STALL_S": "3"} if mistake == "stuck" else {})
-    mine = "\n".join(line for line in out.splitlines() if line.startswith(f"[rank {rank}]"))
+    mine = said_by(out, rank)
     assert text in mine, out[-4000:]
     assert "died" not in told(out, 0) + told(out, 1), out[-4000:]
