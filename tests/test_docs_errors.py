@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
 
+import mini_ddp
 from mini_ddp import (
     DataParallelModel,
     DesyncDetector,
@@ -302,6 +303,7 @@ def _world_size_contradicts():
 
 IN_PROCESS: dict[str, Callable[[], object]] = {
     "Nothing to train": lambda: DataParallelModel(nn.Linear(2, 2).requires_grad_(False)),
+    "`attach` on a model that is not torch's DDP": lambda: mini_ddp.attach(nn.Linear(2, 2)),
     "Lazy module not materialised": lambda: DataParallelModel(nn.LazyLinear(2)),
     "`device_ids` on a CPU model": lambda: DataParallelModel(nn.Linear(2, 2), device_ids=[0]),
     "A parameter got no gradient": _unused,

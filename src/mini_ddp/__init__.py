@@ -13,6 +13,7 @@ engine's observer interface (:mod:`mini_ddp.engine.observer`) when imported here
 
 import mini_ddp.checks  # noqa: F401  (registers the checks every model wears)
 import mini_ddp.watch  # noqa: F401  (registers the stall warning and its flight log)
+from mini_ddp.attach import attach
 from mini_ddp.checks.fingerprint import SyncMismatchError
 from mini_ddp.checks.grad_watch import WrapperBypassedError
 from mini_ddp.checks.replicas import DesyncDetector, DesyncError, ReplicasDifferError, check_in_sync
@@ -62,6 +63,7 @@ __all__ = [
     "TraceRecorder",
     "UnfinishedReductionError",
     "WrapperBypassedError",
+    "attach",
     "check_in_sync",
     "collective_hook",
     "explain",

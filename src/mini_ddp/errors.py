@@ -178,11 +178,13 @@ class CollectiveError(MiniDDPError):
         self.peers = _peer_notes(rank)
         after = f"\n{late}" if late else ""
         if self.peers and not self.peers.startswith("Whether another rank"):
+            # What the marks prove leads; the backend's words ("closed by peer") follow, as
+            # they cannot tell a rank that finished from one that was killed.
             super().__init__(
-                f"mini_ddp: rank {rank}: {what} failed: {reason}. What the other ranks left in "
-                f"the store: {self.peers} This process group cannot be used any more; restart "
-                "the job (e.g. torchrun --max-restarts=N) and resume from the last checkpoint."
-                + after)
+                f"mini_ddp: rank {rank}: {what} failed because another rank ended before it. "
+                f"What the other ranks left in the store: {self.peers} (The backend said: "
+                f"{reason}.) This process group cannot be used any more; restart the job "
+                "(e.g. torchrun --max-restarts=N) and resume from the last checkpoint." + after)
             return
         unknown = f" {self.peers}" if self.peers else ""  # the store did not answer
         if _TIMED_OUT.search(reason):

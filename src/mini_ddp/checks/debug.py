@@ -1,6 +1,6 @@
 """mini_ddp's debug switch, and the checks a model runs with and without it.
 
-**Always on** (nearly free, docs/debugging.md has the figure): the replica check
+**Always on** (nearly free, docs/debugging.md has the figures): the replica check
 (:mod:`mini_ddp.checks.replicas` — identical data on every rank at step 1; parameters, buffers,
 train/eval modes and parameter sets compared at step 1 and every ``replica_check_every``
 steps), a WARNING when something differs.
@@ -37,6 +37,7 @@ from mini_ddp.checks.rank_board import RankBoard
 from mini_ddp.checks.replicas import ReplicaCheck
 from mini_ddp.engine import observer
 from mini_ddp.engine.config import DEBUG_ENV, debug_requested  # noqa: F401  (the switch, here too)
+from mini_ddp.watch.peers import describe_finished, note_mistake, peer_states
 from mini_ddp.watch.stacks import ask_stacks
 
 ENV = DEBUG_ENV
@@ -63,8 +64,10 @@ class SyncChecks:
             monitor = weakref.ref(model)
             self.fingerprints = Fingerprints(model, self.board, config.stall_warning_s,
                                              config.sync_timeout_s,
-                                             ask=lambda ranks: _ask(monitor(), ranks))
-            self.watch = GradWatch(model, self.board, self.fingerprints)
+                                             ask=lambda ranks: _ask(monitor(), ranks),
+                                             ended=lambda ranks: _ended(reducer.rank, ranks))
+            self.watch = GradWatch(model, self.board, self.fingerprints,
+                                   on_mistake=note_mistake)
             self.fingerprints.verdicts = self._verdicts
 
     def _verdicts(self) -> dict[int, str]:
@@ -126,16 +129,31 @@ class SyncChecks:
             self.watch.remove()
 
 
+def _ended(rank: int, ranks: list[int]) -> str:
+    """What the store says of the other ranks when one of ``ranks`` left a finish mark (it
+    finished or its script raised), else "" (bounded; never raises for the store)."""
+    states = peer_states()
+    if not any(states.get(r) is not None and states[r].state in ("finished", "failed")
+               for r in ranks):
+        return ""
+    return describe_finished(states, rank)
+
+
 def _ask(model: Any, ranks: list[int]) -> dict[int, Any]:
     """The late ranks' stacks, through the stall monitor's responders (none: {})."""
     monitor = None if model is None else model.stall_monitor
     if monitor is None:
         return {}
     try:
-        return ask_stacks(monitor.store, ranks, monitor.answer_s, asked_by=dist.get_rank(
+        answers = ask_stacks(monitor.store, ranks, monitor.answer_s, asked_by=dist.get_rank(
             model.process_group), why="mini_ddp's debug check: a collective did not come")
     except Exception:  # noqa: BLE001 - a report without stacks beats none
         return {}
+    # The asked ranks dump as they answer; this rank's dump beside theirs lets the doctor line
+    # both up (without it, the asker reads as a rank that left no dump).
+    monitor.dump(f"mini_ddp's debug check: ranks {ranks} have not reached a collective",
+                 peers={str(rank): answer for rank, answer in answers.items()})
+    return answers
 
 
 def attach_checks(model: Any) -> None:

@@ -22,8 +22,9 @@ sequence number (the store, not a collective: a collective could pair with the w
 * A peer that does not come within ``warn_s`` (the stall warning's limit) is asked where it is
   (its Python stack, through the stall monitor's responder): a peer inside a
   ``torch.distributed`` collective that mini_ddp did not issue is named with its line — a
-  collective on some ranks only, or uneven inputs. A WARNING then, :class:`SyncMismatchError`
-  at ``timeout_s`` (``sync_timeout_s``).
+  collective on some ranks only, or uneven inputs: :class:`SyncMismatchError` then, since
+  the two can never pair. Otherwise a WARNING then, :class:`SyncMismatchError` at
+  ``timeout_s`` (``sync_timeout_s``).
 
 Cost: two store round trips per step and a wait for the slowest rank at each fingerprint —
 debugging only (torch's DETAIL mode costs an all-gather per collective).
@@ -47,11 +48,14 @@ logger = logging.getLogger("mini_ddp")
 
 # Frames of these two are not the user's line (the forward's caller, a collective's caller).
 _PACKAGE = str(Path(__file__).resolve().parents[1])
-_TORCH = str(Path(torch.__file__).resolve().parent)
+# Frames carry the path torch was imported by, which may be a link to the resolved one.
+_TORCH = tuple({str(Path(torch.__file__).resolve().parent), str(Path(torch.__file__).parent)})
 _COLLECTIVES = {"all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
                 "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
                 "all_to_all", "all_to_all_single", "all_gather_object", "broadcast_object_list",
                 "monitored_barrier", "send", "recv"}
+ENDED_POLL_S = 0.5
+"""How often a waiting rank reads its late peers' finish marks."""
 EVAL_FIX = ("to evaluate on one rank, call model.module(x) under torch.no_grad() (the wrapper's "
             "forward is a collective step: every rank must run it); or evaluate on every rank")
 
@@ -63,7 +67,7 @@ class SyncMismatchError(MiniDDPError):
 def caller_line() -> str:
     """The user's line that called the model's forward: ``file:line in function``."""
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith((_PACKAGE, _TORCH))
+    while frame is not None and (frame.f_code.co_filename.startswith((_PACKAGE, *_TORCH))
                                  or frame.f_code.co_filename.startswith("<")):
         frame = frame.f_back
     if frame is None:
@@ -136,7 +140,7 @@ def stuck_in_collective(answer: dict[str, Any]) -> str | None:
         for i, (filename, _line, function, _src) in enumerate(frames):
             if "torch/distributed" in filename and function in _COLLECTIVES:
                 user = next((f for f in reversed(frames[:i])
-                             if not f[0].startswith((_PACKAGE, _TORCH))), None)
+                             if not f[0].startswith((_PACKAGE, *_TORCH))), None)
                 where = f"{Path(user[0]).name}:{user[1]} in {user[2]}" if user else "?"
                 inside = any(f[0].startswith(_PACKAGE) for f in frames[:i])
                 return None if inside else f"torch.distributed.{function} (called at {where})"
@@ -154,13 +158,18 @@ class Fingerprints:
 
     def __init__(self, model: Any, board: Any, warn_s: float | None, timeout_s: float | None,
                  ask: Callable[[list[int]], dict[int, Any]] | None = None,
-                 last_state: Callable[[int], dict | None] | None = None):
+                 last_state: Callable[[int], dict | None] | None = None,
+                 ended: Callable[[list[int]], str] | None = None):
         self._model = weakref.ref(model)
         self.board = board
         self.warn_s = warn_s
         self.timeout_s = timeout_s
         self.ask = ask
         self._last_state = last_state
+        # ended(ranks): what the store says of those of `ranks` that finished or failed ("":
+        # none did); a late peer that ended will never come.
+        self.ended = ended
+        self._answers: dict[int, Any] = {}
         self.seq = 0
         self.paused = False  # once join() has run: see SyncChecks.before_collectives
         self._history: list[dict] = []
@@ -210,21 +219,50 @@ class Fingerprints:
     def _wait(self, key: str, fp: dict) -> dict[int, dict]:
         board = self.board
         warn_s = self.warn_s if self.warn_s is not None else self.timeout_s
-        found = board.wait_all(key, warn_s or 60.0, stop=lambda: bool(self.verdicts()))
+        gone = {"text": "", "next": time.monotonic() + ENDED_POLL_S}
+
+        def stop() -> bool:
+            if self.verdicts():
+                return True
+            if self.ended is not None and time.monotonic() >= gone["next"]:
+                gone["next"] = time.monotonic() + ENDED_POLL_S
+                gone["text"] = self.ended([r for r in board.peers if board.read(key, r) is None])
+            return bool(gone["text"])
+
+        found = board.wait_all(key, warn_s or 60.0, stop=stop)
         if len(found) == len(board.peers) or board.offline:
             return found
         late = [r for r in board.peers if r not in found]
+        if gone["text"]:
+            raise SyncMismatchError(self._ended_report(fp, late, gone["text"]))
         text = self._late_report(fp, late, warn_s)
-        if self.verdicts():
+        if self.verdicts() or any(stuck_in_collective(self._answers.get(r, {})) for r in late):
+            # A peer inside a collective this rank does not run here can never pair with it:
+            # waiting longer only turns the error into the backend's timeout.
             raise SyncMismatchError(text)
+        silent = [r for r in late if r in self._answers and not self._answers[r]["answered"]]
+        if silent and len(silent) == len(late):
+            # Gone (killed, crashed: no mark) or holding the GIL: the default path's verdict
+            # comes from the collective itself, at once for a rank that is gone.
+            logger.warning("%s\n  Ranks %s neither left a finish mark nor answered: the "
+                           "collective check steps aside and the collective itself decides "
+                           "(it fails at once when a rank is gone).", text, silent)
+            return found
         logger.warning("%s", text)
         rest = None if self.timeout_s is None else max(self.timeout_s - (warn_s or 0), 0.0)
-        found.update(board.wait_all(key, rest if rest is not None else 1e9,
-                                    stop=lambda: bool(self.verdicts())))
+        found.update(board.wait_all(key, rest if rest is not None else 1e9, stop=stop))
         if len(found) == len(board.peers) or board.offline:
             return found
-        raise SyncMismatchError(self._late_report(fp, [r for r in board.peers if r not in found],
-                                                  self.timeout_s))
+        late = [r for r in board.peers if r not in found]
+        if gone["text"]:
+            raise SyncMismatchError(self._ended_report(fp, late, gone["text"]))
+        raise SyncMismatchError(self._late_report(fp, late, self.timeout_s))
+
+    def _ended_report(self, fp: dict, late: list[int], marks: str) -> str:
+        """The error for late peers that ended: what the store proves comes first."""
+        return (f"mini_ddp: rank {self.board.rank} is about to run {describe(fp)} for ranks "
+                f"{late}, which have not reached it and never will: they ended. What the other "
+                f"ranks left in the store: {marks} (MINI_DDP_DEBUG's collective check.)")
 
     def _late_report(self, fp: dict, late: list[int], waited: float | None) -> str:
         me = self.board.rank
@@ -232,6 +270,7 @@ class Fingerprints:
         lines = [f"mini_ddp: rank {me} waited {waited:g} s before {describe(fp)} for ranks "
                  f"{late}, which have not reached it (MINI_DDP_DEBUG's collective check)."]
         answers = {} if self.ask is None or told else self.ask(late)
+        self._answers = answers
         for rank in late:
             if rank in told:
                 lines.append(f"  rank {rank} reported: {told[rank]}")

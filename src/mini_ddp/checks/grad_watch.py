@@ -18,8 +18,11 @@ Two mistakes only the local gradients show, before the all-reduce mixes them:
 
 The post-accumulate hook is also where a synchronised backward's fingerprint is taken: it runs
 before the reducer's own hook of the same parameter, so before any bucket is launched.
-Cost: a ``torch.isfinite(grad).all()`` per gradient and two Python hooks per parameter — which
-is why these run only under mini_ddp's debug switch.
+Cost: the bypass check is one Python hook per parameter that returns at once after the first
+parameter of each backward; the NaN check adds a ``torch.isfinite(grad).all()`` per gradient
+and a second hook (docs/debugging.md has both figures). Under mini_ddp's debug switch both run
+and a bypass raises; ``mini_ddp.attach`` on torch's DDP runs the bypass check by default, as a
+WARNING (``strict=False``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,15 @@ class WrapperBypassedError(MiniDDPError):
 class GradWatch:
     """The hooks on ``model``'s synchronised parameters (see the module docstring)."""
 
-    def __init__(self, model: Any, board: Any, fingerprints: Any = None):
+    def __init__(self, model: Any, board: Any, fingerprints: Any = None,
+                 nonfinite: bool = True, strict: bool = True,
+                 on_mistake: Any = None):
+        # nonfinite: check each local gradient (a pass over it); strict: a bypassed wrapper
+        # raises (the debug switch) rather than warns (by default: a backward through
+        # model.module on purpose, for a local saliency map, is legal and stays so).
+        self.strict = strict
+        self.nonfinite = nonfinite
+        self.on_mistake = on_mistake  # told a verdict on this rank's script (its finish mark)
         self._model = weakref.ref(model)
         self.board, self.fingerprints = board, fingerprints
         self._task = None  # the autograd graph task of the last backward seen
@@ -56,8 +67,9 @@ class GradWatch:
         self._handles = []
         for index, param in enumerate(model.reducer.params):
             # Read-only hooks (passive_hook): the reducer may still read gradients late.
-            self._handles.append(param.register_hook(
-                passive_hook(functools.partial(_local_grad, me, index))))
+            if nonfinite:
+                self._handles.append(param.register_hook(
+                    passive_hook(functools.partial(_local_grad, me, index))))
             self._handles.append(param.register_post_accumulate_grad_hook(
                 passive_hook(functools.partial(_accumulated, me, index))))
 
@@ -94,6 +106,8 @@ class GradWatch:
 
     def peers_nonfinite(self) -> None:
         """At a forward: name the peer whose NaN/Inf the last all-reduce brought here."""
+        if not self.nonfinite:
+            return  # no record to read: the happy path touches no store
         for rank in self.board.peers:
             if rank in self._peer_steps:
                 continue
@@ -139,6 +153,11 @@ class GradWatch:
                     "gradients are never averaged — this rank trains alone, and the other "
                     "ranks wait for its collectives. Call model(x) to train; model.module(x) "
                     "only to evaluate, under torch.no_grad(). See docs/debugging.md.")
+            if self.on_mistake is not None:
+                self.on_mistake(text)
+            if not self.strict:
+                logger.warning("%s", text)
+                return
             self.board.post("verdict", text)
             raise WrapperBypassedError(text)
 

@@ -34,9 +34,10 @@ def module_name(path: Path, package: Path = PACKAGE) -> str:
 
 
 def layer_of(module: str) -> str:
-    """The layer a module belongs to: its first sub-package, or ``mini_ddp`` for the top."""
+    """The layer a module belongs to: its first sub-package, or ``mini_ddp`` for the top
+    (``attach``, the one line a torch DDP user adds, sits there beside ``__init__``)."""
     parts = module.split(".")
-    return "mini_ddp" if len(parts) == 1 or parts[1] == "__main__" else parts[1]
+    return "mini_ddp" if len(parts) == 1 or parts[1] in ("__main__", "attach") else parts[1]
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:

@@ -83,6 +83,21 @@ def _ended(rank: int, dumps: dict[int, dict[str, Any]]) -> str | None:
     return None
 
 
+def _asked_by(rank: int, dumps: dict[int, dict[str, Any]]) -> str | None:
+    """``rank`` asked a peer for its stack (that peer's dump says so): it was alive then, and
+    most likely waits for that peer (None: no dump records a request from it)."""
+    prefix = f"asked for its stack by rank {rank} "
+    for peer, d in sorted(dumps.items()):
+        if d["reason"].startswith(prefix):
+            why = d["reason"][len(prefix):].splitlines()[0].strip("()")
+            when = _clock(d.get("asked_at", d["time"]))
+            return (f"rank {rank} left no dump, but it was alive at {when}: it asked rank {peer} "
+                    f"for its stack ({why}), so it waited for rank {peer} — its own log names "
+                    "why (a debug check's error, a stall warning); copy its files here if it "
+                    "dumped on another host")
+    return None
+
+
 def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
     """The doctor's findings (lines of text) for ``dumps`` (:func:`read_dumps`'s result)."""
     if not dumps:
@@ -112,8 +127,11 @@ def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
             str(rank), {"answered": True})["answered"]]
         failed = [p for p, d in dumps.items() if d["reason"].startswith("collective failed")]
         ended = _ended(rank, dumps)
+        asker = _asked_by(rank, dumps)
         if ended is not None:
             findings.append(ended)
+        elif asker is not None:
+            findings.append(asker)
         elif silent:
             findings.append(f"rank {rank} left no dump and did not answer rank {silent[0]}'s "
                             "request for its stack: no Python thread of it could run (native "
@@ -125,13 +143,25 @@ def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
         else:
             findings.append(f"rank {rank} left no dump: it died, was never asked, or dumped on "
                             "another host (copy its files here)")
-    # 2. Late answers: the rank could not run Python for a while (the GIL was held).
+    # 2. A debug check that waited for peers before its next collective: where they were.
+    for rank, d in sorted(dumps.items()):
+        if not d["reason"].startswith("mini_ddp's debug check"):
+            continue
+        for peer in sorted(d.get("peers", {}), key=int):
+            findings.append(f"rank {rank} waited for rank {peer} before its next collective "
+                            "(MINI_DDP_DEBUG's collective check): the ranks' collectives stop "
+                            "pairing here; rank {rank}'s own log names the mistake".format(
+                                rank=rank))
+            stack = _stack_of(int(peer), dumps)
+            if stack:
+                findings.append(stack)
+    # 3. Late answers: the rank could not run Python for a while (the GIL was held).
     for rank, d in sorted(dumps.items()):
         late = d.get("answered_late_s")
         if late:
             findings.append(f"rank {rank} answered {late:.1f} s after it was asked: none of its "
                             "Python threads could run meanwhile (native code holding the GIL)")
-    # 3. Line the collectives up by sequence number.
+    # 4. Line the collectives up by sequence number.
     first_gap = None
     for seq in sorted(by_seq):
         have = by_seq[seq]

@@ -368,13 +368,13 @@ class PeerSync:
                     if n == 0:
                         self._let_peer_exit(peer)
                         return ConnectionResetError(f"Connection closed by peer: rank {peer} "
-                                                    "exited or was killed")
+                                                    "closed its connection")
                     received += n
         except TimeoutError:
             return TimeoutError(f"timed out after {self.timeout_s:.0f} s waiting for rank {peer}")
         except (ConnectionResetError, BrokenPipeError) as err:
-            return ConnectionResetError(f"Connection closed by peer: rank {peer} exited or was "
-                                        f"killed ({err})")
+            return ConnectionResetError(f"Connection closed by peer: rank {peer} closed its "
+                                        f"connection ({err})")
         except OSError as err:
             return err
         return None

@@ -44,7 +44,7 @@ from mini_ddp.errors import explain_peers_with
 from mini_ddp.watch.bounded_store import StoreUnanswered, bounded_store_call, default_store
 
 __all__ = ["FINISH_MARK_S", "READ_S", "PeerState", "describe_finished", "explain_peers",
-           "mark_failed", "mark_finished", "peer_states", "watch"]
+           "mark_failed", "mark_finished", "note_mistake", "peer_states", "watch"]
 
 logger = logging.getLogger("mini_ddp")
 
@@ -57,7 +57,8 @@ KEY = "mini_ddp/peers/rank{}"
 _WATCHED: weakref.WeakSet[Any] = weakref.WeakSet()  # reducers whose step a finish mark reports
 _installed = threading.Lock()
 _state: dict[str, Any] = {"installed": False, "marked": None, "exit_error": None,
-                         "last_step": None, "owner": None}
+                         "last_step": None, "owner": None,
+                         "mistake": ""}
 # "owner": the pid of the process whose rank the marks speak for — the one that watched a model
 # (None: none has; then the process that ends marks, as a rank without a model of ours). A
 # child forked while a process group exists (a DataLoader worker, any forked helper) inherits
@@ -96,13 +97,15 @@ class PeerState:
     step: int | None = None
     error: str = ""
     time: float | None = None
+    mistake: str = ""  # what a check of this rank named about its own script, if anything
 
     def describe(self) -> str:
         """This state in a message's words ("rank 1 finished (destroyed its process group)
         after step 5")."""
         after = "" if self.step is None else f" after step {self.step}"
         if self.state == "finished":
-            return f"rank {self.rank} finished ({self.how}){after}"
+            told = f", after it reported: {self.mistake}" if self.mistake else ""
+            return f"rank {self.rank} finished ({self.how}){after}{told}"
         if self.state == "failed":
             return f"rank {self.rank} failed{after}: its script raised {self.error}"
         if self.state == "unreachable":
@@ -187,6 +190,13 @@ def _mark_end(how: str, error: BaseException | None) -> None:
         mark_finished(how)
 
 
+def note_mistake(text: str) -> None:
+    """Carry ``text`` (a check's verdict on this rank's own script, e.g. a bypassed wrapper) in
+    this rank's finish mark: a peer then reads that mistake, not uneven inputs, as the cause."""
+    if not _state["mistake"]:
+        _state["mistake"] = text[:600]
+
+
 def mark_failed(error: BaseException) -> bool:
     """Leave this rank's mark as failed with ``error`` (a harness that catches a rank's
     exception and then destroys the group calls this first, so the peers do not read the
@@ -207,7 +217,8 @@ def mark_finished(how: str, error: str = "") -> bool:
             return False
         _state["marked"] = id(store)
         rank = dist.get_rank()
-        mark = json.dumps({"how": how, "step": _steps(), "time": time.time(), "error": error})
+        mark = json.dumps({"how": how, "step": _steps(), "time": time.time(), "error": error,
+                           "mistake": _state["mistake"]})
         bounded_store_call(store, lambda s: s.set(KEY.format(rank), mark), FINISH_MARK_S,
                            "this rank's finish mark")
     except (StoreUnanswered, RuntimeError, ValueError) as problem:
@@ -256,7 +267,7 @@ def peer_states(world_size: int | None = None, store: Any = None,
         else:
             states[rank] = PeerState(rank, "failed" if mark["how"] == "raised" else "finished",
                                      mark["how"], mark.get("step"), mark.get("error", ""),
-                                     mark.get("time"))
+                                     mark.get("time"), mark.get("mistake", ""))
     return states
 
 
@@ -272,7 +283,13 @@ def describe_finished(states: dict[int, PeerState], rank: int) -> str:
         return ""
     text = "; ".join(s.describe() for s in ended) + "."
     steps = _steps()
-    if any(s.state == "finished" for s in ended):
+    never = [s for s in ended if s.state == "finished" and not s.mistake and s.step == 0]
+    if never:
+        # Proven by the mark: it ended without one synchronised step, while others train.
+        text += (f" Ranks {[s.rank for s in never]} never completed a synchronised step: "
+                 "their training forward bypasses the wrapper (model.module(x) trains alone, "
+                 "its gradients never averaged: call model(x)), or their loop got no batches.")
+    if any(s.state == "finished" and not s.mistake and s.step != 0 for s in ended):
         here = "" if steps is None else f"; this rank was in step {steps}"
         text += (f" A rank that finished while others still train means the ranks ran "
                  f"different numbers of steps (uneven inputs{here}): give every rank the same "

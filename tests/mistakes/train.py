@@ -1,0 +1,115 @@
+"""A plain two-rank training script with one classic mistake, as a user writes it.
+
+``python tests/mistakes/train.py MISTAKE [mini|torch|attach]`` starts two ranks with
+``torch.multiprocessing.spawn`` (Gloo on CPU, a tiny MLP, 5 steps) and prints what each rank was
+told: its exception and the WARNINGs of the ``"mini_ddp"`` logger. ``mini`` wraps the model in
+``DataParallelModel`` with every default; ``torch`` in torch's own ``DistributedDataParallel``;
+``attach`` in torch's DDP followed by ``mini_ddp.attach(model)``. Set ``MINI_DDP_DEBUG=1`` in the
+environment for the debug switch. The mistakes (:data:`MISTAKES`) are the ones of
+docs/debugging.md, written without the project's test harness.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+MISTAKES = ("none", "finish_early", "no_grad_eval", "nan", "bypass", "uneven",
+            "one_rank_collective", "same_data", "load_on_one_rank", "eval_mode", "param_added",
+            "stuck")
+STEPS = 5
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def wrap(module: nn.Module, engine: str) -> nn.Module:
+    # STALL_S in the environment: the stall warning's limit (default: mini_ddp's 60 s).
+    stall = {"stall_warning_s": float(os.environ["STALL_S"])} if "STALL_S" in os.environ else {}
+    if engine == "mini":
+        from mini_ddp import DataParallelModel
+        return DataParallelModel(module, **stall)
+    model = nn.parallel.DistributedDataParallel(module)
+    if engine == "attach":
+        import mini_ddp
+        model = mini_ddp.attach(model, **stall)
+    return model
+
+
+def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = wrap(Net(), engine)
+    if mistake == "load_on_one_rank" and rank == 0:
+        torch.manual_seed(7)
+        model.module.load_state_dict(Net().state_dict())  # rank 0 only, after wrapping
+    if mistake == "param_added":
+        model.module.extra = nn.Parameter(torch.zeros(2))  # after wrapping: never synced
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0 if mistake == "same_data" else 100 + rank)
+    steps = STEPS - 2 if mistake == "finish_early" and rank == 1 else STEPS
+    steps += 1 if mistake == "uneven" and rank == 0 else 0
+    steps = 100 if mistake == "eval_mode" else steps  # the replica check runs at step 100
+    try:
+        for step in range(1, steps + 1):
+            x = torch.randn(6, 8, generator=gen)
+            if mistake == "nan" and rank == 1 and step == 3:
+                x[0, 0] = float("nan")
+            net = model.module if mistake == "bypass" and rank == 1 else model
+            loss = net(x).square().mean()
+            if mistake == "param_added":
+                loss = loss + model.module.extra.square().sum() * x.mean()
+            if mistake == "stuck" and rank == 1 and step == 3:
+                time.sleep(40)  # a rank stuck in its own code before backward (a deadlock)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if mistake == "no_grad_eval" and rank == 0 and step == 2:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(6, 8, generator=gen))
+                model.train()
+            if mistake == "eval_mode" and rank == 0 and step == 1:
+                model.eval()  # evaluation mode on rank 0 ... and no model.train() after it
+            if mistake == "one_rank_collective" and rank == 0 and step == 2:
+                dist.all_reduce(loss.detach().clone())
+        if mistake == "uneven":
+            dist.all_reduce(loss.detach().clone())  # the epoch's loss, on every rank
+        print(f"[rank {rank}] done: {float(loss.detach()):.6f} "
+              f"{float(next(model.parameters()).detach().sum()):.6f}", flush=True)
+    except Exception as exc:
+        text = str(exc).replace("\n", " | ")  # one line, so each rank's outcome greps alone
+        print(f"[rank {rank}] {type(exc).__name__}: {text}", flush=True)
+        raise SystemExit(1) from exc
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    how = sys.argv[2] if len(sys.argv) > 2 else "mini"
+    assert name in MISTAKES, name
+    mp.spawn(main, args=(2, free_port(), name, how), nprocs=2, join=True)
