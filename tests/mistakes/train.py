@@ -52,6 +52,13 @@ def wrap(module: nn.Module, engine: str) -> nn.Module:
     return model
 
 
+def say(line: str) -> None:
+    """One line in one write: print() writes the text and its newline apart, so two ranks'
+    lines could run together on the shared pipe."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
@@ -93,11 +100,11 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
                 dist.all_reduce(loss.detach().clone())
         if mistake == "uneven":
             dist.all_reduce(loss.detach().clone())  # the epoch's loss, on every rank
-        print(f"[rank {rank}] done: {float(loss.detach()):.6f} "
-              f"{float(next(model.parameters()).detach().sum()):.6f}", flush=True)
+        say(f"[rank {rank}] done: {float(loss.detach()):.6f} "
+            f"{float(next(model.parameters()).detach().sum()):.6f}")
     except Exception as exc:
         text = str(exc).replace("\n", " | ")  # one line, so each rank's outcome greps alone
-        print(f"[rank {rank}] {type(exc).__name__}: {text}", flush=True)
+        say(f"[rank {rank}] {type(exc).__name__}: {text}")
         raise SystemExit(1) from exc
     dist.destroy_process_group()
 
