@@ -20,11 +20,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m mini_ddp demo
 
+# Four workers on two cores: many tests spend most of their time waiting (for a timeout, a
+# stopped rank, a subprocess), and the others use the CPU meanwhile. Each module runs on one
+# worker (its module-scoped runs happen once), the longest first (tests/conftest.py).
+PYTEST_PARALLEL ?= -n 4 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
 	# The floor first, so the whole suite's summary is the last line of the run.
 	$(MAKE) test-floor
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) --timeout=600 --durations=15 tests
 
 # `make test` on a busy machine: BUSY_PER_CORE busy loops per core run beside the suite (two per
 # core: the CPU oversubscribed two times over before the suite's own processes), and are
@@ -41,7 +45,7 @@ test-loaded: $(STAMP)
 # A part of the suite, the same way: `make test-some TESTS="tests/test_spawn.py"`.
 TESTS ?= tests
 test-some: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 --durations=15 $(TESTS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) --timeout=600 --durations=15 $(TESTS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
