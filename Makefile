@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean test-floor
+.PHONY: demo test lint setup clean test-floor test-loaded test-some
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,11 +20,32 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m mini_ddp demo
 
+# Four workers on two cores: many tests spend most of their time waiting (for a timeout, a
+# stopped rank, a subprocess), and the others use the CPU meanwhile. Each module runs on one
+# worker (its module-scoped runs happen once), the longest first (tests/conftest.py).
+PYTEST_PARALLEL ?= -n 4 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
 	# The floor first, so the whole suite's summary is the last line of the run.
 	$(MAKE) test-floor
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --timeout=600 --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) --timeout=600 --durations=15 tests
+
+# `make test` on a busy machine: BUSY_PER_CORE busy loops per core run beside the suite (two per
+# core: the CPU oversubscribed two times over before the suite's own processes), and are
+# stopped however the run ends. TEST_TARGET=test-some TESTS="tests/x.py" narrows it down.
+BUSY_PER_CORE ?= 2
+TEST_TARGET   ?= test
+test-loaded: $(STAMP)
+	@n=$$(( $(BUSY_PER_CORE) * $$(nproc) )); pids=""; \
+	for i in $$(seq $$n); do sh -c 'while :; do :; done' & pids="$$pids $$!"; done; \
+	trap 'kill $$pids 2>/dev/null' EXIT INT TERM HUP; \
+	echo "test-loaded: $$n busy loops on $$(nproc) cores"; \
+	$(MAKE) $(TEST_TARGET)
+
+# A part of the suite, the same way: `make test-some TESTS="tests/test_spawn.py"`.
+TESTS ?= tests
+test-some: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) --timeout=600 --durations=15 $(TESTS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts

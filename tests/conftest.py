@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+from helpers.deadlines import hang_bound, slowdown
 
 
 @pytest.fixture
@@ -27,3 +28,43 @@ def pytest_configure(config) -> None:
     # One folder for tests/helpers/hang_scenarios.py's job, named here (in the controller,
     # before any parallel worker starts) so that every worker inherits it and the job runs once.
     os.environ.setdefault("MINI_DDP_HANGS_DIR", tempfile.mkdtemp(prefix="mini_ddp_hangs_"))
+    # The machine's slowdown, measured once here for the same reason (tests/helpers/deadlines.py).
+    slowdown()
+
+
+def pytest_report_header(config) -> str:
+    return f"hang bounds scaled by {slowdown():.2f} (tests/helpers/deadlines.py)"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.write_line(f"hang bounds were scaled by {slowdown():.2f} "
+                                "(tests/helpers/deadlines.py)")
+
+
+# The modules that take longest (``--durations``, summed per module), started first: under
+# ``--dist loadscope`` a module runs on one worker, and a long one that starts last keeps that
+# worker busy after the others are done. Only the order depends on this list.
+LONG_FIRST = ("test_compile.py", "test_store_faults.py", "test_examples.py",
+              "test_compile_features.py", "test_parity_cli.py", "test_integrations_lightning.py",
+              "test_ladder.py", "test_restart.py", "test_gpu_check.py", "test_two_hosts.py",
+              "test_doctor.py", "test_example_minimal.py", "test_rewrap.py",
+              "test_docs_launching.py", "test_docs_comm_hooks.py",
+              "test_integrations_transformers.py", "test_flight_recorder_ops.py",
+              "test_shm_kill.py", "test_comm_hooks.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Long modules first (``LONG_FIRST``); and pytest-timeout's limits bound hangs too: each
+    test's (its mark's, else the run's ``--timeout`` or the ini's) is scaled by the session's
+    slowdown."""
+    first = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: same order
+    default = config.getoption("timeout", None) or config.getini("timeout")
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        kwargs = dict(mark.kwargs) if mark is not None else {}
+        seconds = (mark.args[0] if mark is not None and mark.args else
+                   kwargs.pop("timeout", None)) or default
+        if seconds:
+            item.add_marker(pytest.mark.timeout(hang_bound(float(seconds)), **kwargs),
+                            append=False)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.ranks import run_ranks
 from test_mistakes import run_script, told
 from torch import nn
 
 import mini_ddp
-from mini_ddp import run_ranks
 from mini_ddp.attach import attachment
 
 

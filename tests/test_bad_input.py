@@ -12,10 +12,12 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, MarkedTwiceError, MiniDDPError, run_ranks
+from mini_ddp import DataParallelModel, MarkedTwiceError, MiniDDPError
 from mini_ddp.engine.comm import ParameterMismatchError
 
 WORLD = 3
@@ -61,7 +63,8 @@ def _construction_refusals(ctx) -> dict[str, tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def construction() -> list[dict[str, tuple[str, str]]]:
-    return run_ranks(_construction_refusals, WORLD, timeout_s=120, collective_timeout_s=60)
+    return run_ranks(_construction_refusals, WORLD, timeout_s=120,
+                     collective_timeout_s=hang_bound(60))
 
 
 # case -> (error type, words the message must contain)
@@ -118,8 +121,10 @@ def _ours_then_torchs(ctx) -> dict[str, tuple[tuple[str, str], tuple[str, str]]]
 
 @pytest.mark.timeout(60)
 def test_a_mismatch_message_contains_torchs_sentence_verbatim():
+    # The collective timeout ends torch's shape check's wait (longer on a slow machine: it
+    # bounds every other collective of the run too).
     for rank, found in enumerate(run_ranks(_ours_then_torchs, 2, timeout_s=40,
-                                           collective_timeout_s=3)):
+                                           collective_timeout_s=hang_bound(3))):
         for case, ((kind, message), (torch_kind, torch_message)) in found.items():
             assert kind == ParameterMismatchError.__name__, (case, kind, message)
             if case == "count" or rank == 1:  # where torch's own check raises
@@ -227,7 +232,7 @@ def _step_refusals(ctx) -> dict[str, tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def step() -> list[dict[str, tuple[str, str]]]:
-    return run_ranks(_step_refusals, WORLD, timeout_s=120, collective_timeout_s=60)
+    return run_ranks(_step_refusals, WORLD, timeout_s=120, collective_timeout_s=hang_bound(60))
 
 
 STEP = {
@@ -286,7 +291,7 @@ def _static_graph_changes_on_rank1(ctx, first: bool) -> tuple[str, str]:
 @pytest.mark.parametrize("starts_using", [True, False], ids=["starts using", "stops using"])
 def test_a_changed_static_graph_is_an_error_on_every_rank(starts_using):
     results = run_ranks(_static_graph_changes_on_rank1, WORLD, args=(not starts_using,),
-                        timeout_s=120, collective_timeout_s=60)
+                        timeout_s=120, collective_timeout_s=hang_bound(60))
     kind, message = results[1]
     if starts_using:  # caught in the hook, naming the parameter
         assert kind == "MiniDDPError" and "'extra." in message and "rank 1" in message

@@ -9,9 +9,9 @@ import random
 import numpy as np
 import torch
 import torch.distributed as dist
+from helpers.ranks import run_ranks
 from torch import nn
 
-from mini_ddp import run_ranks
 from mini_ddp.training.checkpoint import (
     LATEST,
     PREVIOUS,

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.ranks import run_ranks
 from torch.distributed import ReduceOp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp.training.spawn import run_ranks
 from mini_ddp.transport.collectives import (
     ALLREDUCES,
     collective_hook,

@@ -20,12 +20,14 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
+from helpers.ranks import RanksFailed, run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, RanksFailed, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.hooks import GradBucket, gloo_safe, waits_in_callbacks
 from mini_ddp.transport.collectives import collective_hook, ring_allreduce
 
@@ -172,7 +174,7 @@ def _all_parity_cases(ctx: Any, labels: list[str]) -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_torch_hooks_match_torch_ddp_bitwise(world_size: int) -> None:
     results = run_ranks(_all_parity_cases, world_size, args=(list(CASES),), timeout_s=240,
-                        collective_timeout_s=60)
+                        collective_timeout_s=hang_bound(60))
     for rank, per_rank in enumerate(results):
         for label, got in per_rank["cases"].items():
             assert got["diffs"] == [], f"rank {rank}, {label}: {got['diffs'][:5]}"
@@ -208,7 +210,10 @@ def test_bare_powerSGD_deadlocks_on_gloo_with_several_buckets(engine: str) -> No
     all-reduce still runs on one Gloo worker when the other, done with bucket 1, blocks in its
     callback on an all-reduce queued behind it; then bucket 0's callback blocks the first."""
     with pytest.raises(RanksFailed) as err:
-        run_ranks(_bare_powersgd, 2, args=(engine,), timeout_s=12, collective_timeout_s=12)
+        # The harness's deadline ends the deadlock, never Gloo's timeout (far later): a rank
+        # that Gloo aborted first would read as died, not as stuck.
+        run_ranks(_bare_powersgd, 2, args=(engine,), timeout_s=12,
+                  collective_timeout_s=hang_bound(120))
     failures = err.value.failures
     assert sorted(failures) == [0, 1]
     for rank, text in failures.items():
@@ -297,7 +302,7 @@ def _invalid_hook_errors(ctx: Any) -> dict[str, tuple[str, str]]:
 
 
 def test_invalid_hooks_raise_clear_errors_on_every_rank() -> None:
-    results = run_ranks(_invalid_hook_errors, 3, timeout_s=120, collective_timeout_s=30)
+    results = run_ranks(_invalid_hook_errors, 3, timeout_s=120, collective_timeout_s=hang_bound(30))
     for rank, per_rank in enumerate(results):
         for label, (_, error, words) in INVALID.items():
             kind, message = per_rank[label]

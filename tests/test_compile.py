@@ -27,10 +27,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ddp_optimizer_spy import spy_on_ddp_optimizer
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.training.models import resnet18_cifar
 
 

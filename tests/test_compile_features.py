@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ddp_optimizer_spy import spy_on_ddp_optimizer
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 WORLD = 2
 STEPS = 3

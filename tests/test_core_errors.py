@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mini_ddp import DataParallelModel, MarkedTwiceError, UnfinishedReductionError, run_ranks
+from mini_ddp import DataParallelModel, MarkedTwiceError, UnfinishedReductionError
 
 
 class HasUnusedLayer(nn.Module):

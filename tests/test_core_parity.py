@@ -17,10 +17,11 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.training.models import Seed002CNN, Seed004MyModel, resnet18_cifar
 
 

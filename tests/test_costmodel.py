@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers.ranks import run_ranks
 
 from mini_ddp.engine.config import MIB
 from mini_ddp.tools.costmodel import Network, Profile, allreduce_s, buckets_for_cap, predict
 from mini_ddp.tools.costmodel_profile import profile_rank
-from mini_ddp.training.spawn import run_ranks
 
 ZERO = Network(0.0, 0.0)
 LAN = Network(50e-6, 1 / 1e9)  # 50 us, 1 GB/s

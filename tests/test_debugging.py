@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from helpers.classic_bugs import WARN_S, run_bug
+from helpers.ranks import RanksFailed, run_ranks
 
-from mini_ddp import RanksFailed, run_ranks
 from mini_ddp.checks.debug import debug_requested
 from mini_ddp.errors import (
     TORCH_MISMATCH,

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.checks.replicas import DesyncDetector, DesyncError, checksum
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from docs_snippets import DOCS, block_containing
+from helpers.deadlines import hang_bound
 
 SCRIPT = block_containing("comm_hooks.md", "def measure(ctx)")
 ROW = re.compile(r"^\| (\d) \| ([\d.]+) %(?: \(([\d,]+); ([\d,]+) of them by 1 ulp; max abs diff "
@@ -37,7 +38,7 @@ def _run_script(tmp_path: Path, **env_extra: str) -> dict[int, tuple]:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1", **env_extra}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=hang_bound(300))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return {int(m[1]): m.groups() for m in LINE.finditer(proc.stdout)}
 
@@ -74,7 +75,7 @@ def test_world_size_3_holds_with_each_cpu_kernel_set(tmp_path, capability):
               "print(torch.backends.cpu.get_cpu_capability(), "
               "s.run_ranks(s.measure, 3, timeout_s=120)[0])")
     proc = subprocess.run([sys.executable, "-c", driver], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=hang_bound(300))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     kernels, _, row = proc.stdout.strip().partition(" ")
     r = ast.literal_eval(row)  # the dict the page's own script returned

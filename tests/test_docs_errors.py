@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from docs_snippets import error_entries
 from helpers import classic_bugs
+from helpers.ranks import RanksFailed, run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
@@ -32,12 +33,10 @@ import mini_ddp
 from mini_ddp import (
     DataParallelModel,
     DesyncDetector,
-    RanksFailed,
     SharedMemoryAllreduce,
     StallWatchdog,
     check_in_sync,
     gloo_safe,
-    run_ranks,
 )
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
 from mini_ddp.errors import TORCH_MISMATCH, naming_collective

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.deadlines import hang_bound
+
 from mini_ddp.training.launch import stop_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ def test_torchrun_with_c10d_rendezvous_trains_an_example():
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        output, _ = proc.communicate(timeout=240)
+        output, _ = proc.communicate(timeout=hang_bound(240))
     finally:
         stop_torchrun(proc)  # on a timeout: SIGTERM the agent so its workers stop too
     output = output.replace("\r", "\n") if output else ""

@@ -14,10 +14,11 @@ import os
 import torch
 import torch.distributed as dist
 from docs_snippets import block_containing
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 MAIN = block_containing("quickstart.md", "DataParallelModel(MyModel())")
 ACCUMULATE = block_containing("quickstart.md", "model.no_sync()")

@@ -19,13 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from docs_snippets import block_containing
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from test_docs_snippets import test_named_modules_and_files_exist as names_and_paths_exist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import TensorDataset
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 PAGE = "recipes.md"
 AMP = block_containing(PAGE, "GradScaler(")
@@ -308,7 +310,8 @@ def _all_recipes(ctx, workdir: str) -> dict[str, dict[str, bool]]:
 @pytest.fixture(scope="module")
 def recipes(tmp_path_factory) -> list[dict[str, dict[str, bool]]]:
     workdir = str(tmp_path_factory.mktemp("recipes"))
-    return run_ranks(_all_recipes, 2, args=(workdir,), timeout_s=120, collective_timeout_s=60)
+    return run_ranks(_all_recipes, 2, args=(workdir,), timeout_s=120,
+                     collective_timeout_s=hang_bound(60))
 
 
 @pytest.mark.parametrize("recipe", ["amp", "amp, bucket views", "amp, no_sync", "clip",
@@ -336,7 +339,7 @@ def _wrapper_forward_on_one_rank(ctx) -> str:
 
 def test_wrapper_forward_on_one_rank_fails_with_the_message_the_page_shows():
     message = run_ranks(_wrapper_forward_on_one_rank, 2, timeout_s=60,
-                        collective_timeout_s=30)[0]
+                        collective_timeout_s=hang_bound(30))[0]
     assert message.startswith(HANG_MESSAGE), (HANG_MESSAGE, message)
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.deadlines import hang_bound
 from helpers.hang_scenarios import FUNCTIONS, LINES, SCENARIOS, run_hangs
 
 from mini_ddp.tools.doctor import diagnose, main
@@ -63,7 +64,7 @@ def test_the_doctor_on_a_timeout(hangs):
 def test_the_command_line(hangs, tmp_path, capsys):
     folder, _, _ = hangs
     out = subprocess.run([sys.executable, "-m", "mini_ddp", "doctor", str(folder / "loader")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=hang_bound(120))
     assert out.returncode == 0, out.stderr
     assert "rank 1 never launched bucket 0" in out.stdout
     assert main([str(tmp_path)]) == 2
@@ -86,6 +87,7 @@ if __name__ == "__main__":  # the output shown in docs/reliability.md ("Debuggin
         print(f"--- python -m mini_ddp doctor <dumps of {name}>")
         show(_doctor(folder / name))
     fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
-                         str(folder / "loader")], capture_output=True, text=True, timeout=120)
+                         str(folder / "loader")], capture_output=True, text=True,
+                         timeout=hang_bound(120))
     print("--- python -m torch.distributed.flight_recorder.fr_trace <dumps of loader>")
     print((fr.stdout + fr.stderr).strip())

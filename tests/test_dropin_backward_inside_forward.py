@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.reducer import UnarmedBackwardError
 
 
@@ -77,7 +79,7 @@ def _scenarios(ctx: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_ranks(_scenarios, 2, timeout_s=90, collective_timeout_s=30)
+    return run_ranks(_scenarios, 2, timeout_s=90, collective_timeout_s=hang_bound(30))
 
 
 @pytest.mark.timeout(120)

@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.model import CLASS_METADATA, INHERITED_FROM_TORCH_DDP
 from mini_ddp.engine.reducer import Reducer
 from mini_ddp.engine.torch_api import TORCH_INTERNALS
@@ -165,7 +167,7 @@ def _scenarios(ctx) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_ranks(_scenarios, 2, timeout_s=120, collective_timeout_s=60)
+    return run_ranks(_scenarios, 2, timeout_s=120, collective_timeout_s=hang_bound(60))
 
 
 @pytest.mark.timeout(180)

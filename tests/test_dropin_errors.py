@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 WORLD = 3
 
@@ -117,7 +119,7 @@ def _all_mistakes(ctx) -> dict[str, tuple[tuple[str, str], tuple[str, str]]]:
 
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, tuple[tuple[str, str], tuple[str, str]]]]:
-    return run_ranks(_all_mistakes, WORLD, timeout_s=150, collective_timeout_s=60)
+    return run_ranks(_all_mistakes, WORLD, timeout_s=150, collective_timeout_s=hang_bound(60))
 
 
 @pytest.mark.timeout(200)

@@ -14,10 +14,11 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 WORLD = 3
 

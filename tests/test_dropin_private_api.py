@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 WORLD = 3
 
@@ -137,7 +139,7 @@ def _scenarios(ctx) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_ranks(_scenarios, WORLD, timeout_s=200, collective_timeout_s=60)
+    return run_ranks(_scenarios, WORLD, timeout_s=200, collective_timeout_s=hang_bound(60))
 
 
 TRAINED = ["builtin ALLREDUCE", "builtin FP16_COMPRESS", "static later, find_unused=False",

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.ranks import run_ranks
 from reducer_parity import train_side_by_side
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-from mini_ddp import run_ranks
 
 
 class Unused(nn.Module):

@@ -15,12 +15,13 @@ import cpu_streams
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.ranks import run_ranks
 from reducer_parity import train_side_by_side
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 
 class Net(nn.Module):

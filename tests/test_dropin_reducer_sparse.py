@@ -7,12 +7,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.ranks import run_ranks
 from reducer_parity import train_side_by_side
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 
 class Bag(nn.Module):

@@ -24,10 +24,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.reducer import Reducer
 from mini_ddp.engine.unused import NOTHING_UNUSED
 
@@ -284,7 +286,7 @@ def _scenarios(ctx: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_ranks(_scenarios, WORLD, timeout_s=150, collective_timeout_s=60)
+    return run_ranks(_scenarios, WORLD, timeout_s=150, collective_timeout_s=hang_bound(60))
 
 
 @pytest.mark.timeout(200)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.deadlines import hang_bound
+
 ROOT = Path(__file__).resolve().parents[1]
 EPOCH = re.compile(r"epoch (\d+): train loss ([\d.]+), test accuracy ([\d.]+)%")
 
@@ -17,7 +19,8 @@ def test_train_minimal_spawns_two_ranks_and_learns():
     env.pop("RANK", None)  # run plainly: the script must launch its own ranks
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_minimal.py"),
                            "--epochs", "2", "--world-size", "2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                          cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=hang_bound(240))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     epochs = [(int(e), float(loss), float(acc)) for e, loss, acc in EPOCH.findall(output)]
@@ -31,7 +34,8 @@ def test_train_minimal_runs_under_the_legacy_launcher():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2",
                            str(ROOT / "examples" / "train_minimal.py"), "--epochs", "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=hang_bound(120))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert [e for e, _, _ in EPOCH.findall(output)] == ["0"], output[-4000:]

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.deadlines import hang_bound
 
 from mini_ddp.training.launch import add_launch_args, detect_launcher
 
@@ -45,7 +46,7 @@ def run_example(launcher: str, script: str, *args: str) -> str:
         cmd += ["--world-size", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+                          timeout=hang_bound(TIMEOUT_S))
     output = (proc.stdout + proc.stderr).replace("\r", "\n")  # tqdm redraws with \r
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
     return output

@@ -7,9 +7,10 @@ import re
 
 import pytest
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.buckets import describe_layout
 from mini_ddp.observe.explain import explain, layouts
 from mini_ddp.tools.explain_cli import main

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.deadlines import hang_bound
 from helpers.hang_scenarios import SCENARIOS, TIMEOUT_S, run_hangs
 
 from mini_ddp.watch.flight_log import TORCH_PREFIX, FlightLog, install_dump_signal, read_dumps
@@ -79,7 +80,8 @@ def test_a_grad_sync_timeout_dumps(hangs):
 def test_torchs_analyser_reads_the_dumps_and_names_the_missing_rank(hangs):
     folder, _, _ = hangs
     out = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
-                          str(folder / "loader")], capture_output=True, text=True, timeout=120)
+                          str(folder / "loader")], capture_output=True, text=True,
+                          timeout=hang_bound(120))
     assert out.returncode == 0, out.stderr
     text = out.stdout + out.stderr
     assert "Not all ranks joining collective" in text and "missing ranks: {1}" in text, text

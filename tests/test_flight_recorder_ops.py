@@ -19,9 +19,11 @@ import sys
 
 import pytest
 import torch
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.tools.doctor import diagnose
 from mini_ddp.watch.flight_log import TORCH_PREFIX, dump, flight_recorder, read_dumps
 
@@ -115,7 +117,7 @@ def test_every_collective_of_a_step_is_recorded_in_launch_order(tmp_path, find_u
         torch_names["broadcast" if op.endswith("broadcast") else "all_reduce"]
         for op, _, _, _ in expected]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
-                          str(tmp_path)], capture_output=True, text=True, timeout=120)
+                          str(tmp_path)], capture_output=True, text=True, timeout=hang_bound(120))
     assert out.returncode == 0, out.stderr
     assert "mismatch" not in (out.stdout + out.stderr).lower(), out.stdout + out.stderr
 

@@ -40,11 +40,12 @@ import traceback
 
 import pytest
 import torch
+from helpers.ranks import run_ranks
 from reducer_parity import compare
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.reducer import UNDEFINED_BUT_USED
 
 BAD_STEP = {"first": 0, "later": 2}

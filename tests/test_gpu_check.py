@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.deadlines import hang_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("nccl", "semantics", "streams", "gloo", "local")
@@ -23,7 +24,7 @@ ROW = re.compile(r"^(PASS|FAIL|INFO|SKIP)  (\S+)\s+(.*)$")
 def _run(tmp_path: Path, *args: str) -> tuple[int, str, list[str]]:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], env=env,
-                          capture_output=True, text=True, timeout=400, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=hang_bound(400), cwd=tmp_path)
     path = tmp_path / "gpu_check.txt"
     report = path.read_text().splitlines() if path.exists() else []
     return done.returncode, done.stdout + done.stderr, report

@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 
 def _model() -> nn.Module:

@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mini_ddp
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"

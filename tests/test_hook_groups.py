@@ -16,11 +16,12 @@ import re
 
 import pytest
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.hook_groups import GROUP_SIZE, plan_groups
 
 WIDTH, DEPTH = 8, 24

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.deadlines import hang_bound
 
 pytest.importorskip("lightning")
 
@@ -34,7 +35,7 @@ def _run(out_dir: Path, *extra: str, timeout_s: float) -> str:
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("MASTER_PORT", None)  # Lightning picks a free one
     proc = subprocess.run([sys.executable, str(HELPER), str(out_dir), *extra], env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+                          capture_output=True, text=True, timeout=hang_bound(timeout_s))
     output = proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.returncode == 0, output
     return output
@@ -44,7 +45,7 @@ def _written(path: Path, output: str, timeout_s: float = 30.0) -> Path:
     """``path`` once it exists: Lightning's launcher process (rank 0) can exit before the
     rank it started has written its results; a rank that failed after the last collective
     (rank 0 no longer there to notice) shows its traceback in ``output``."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + hang_bound(timeout_s)
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert path.exists(), f"{path.name} was never written:\n{output}"

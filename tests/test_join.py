@@ -15,11 +15,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 WORLD = 3
 

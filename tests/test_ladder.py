@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.deadlines import hang_bound
+from helpers.ranks import RanksFailed, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -36,7 +38,6 @@ from mini_ddp.ladder.bucketed import assign_buckets, size_limits
 from mini_ddp.tools import ladder_cli
 from mini_ddp.tools.ladder_cli import format_report, run_ladder
 from mini_ddp.training.models import ZOO
-from mini_ddp.training.spawn import RanksFailed, run_ranks
 
 
 def _bitwise(report: dict) -> bool:
@@ -45,14 +46,14 @@ def _bitwise(report: dict) -> bool:
 
 
 def test_every_rung_is_bitwise_ddp_at_two_ranks():
-    reports = run_ladder("mlp", 2, steps=3, bucket_cap_mb=0.01, timeout_s=240,
+    reports = run_ladder("mlp", 2, steps=3, bucket_cap_mb=0.01, timeout_s=hang_bound(240),
                          rungs=["naive", "bucketed", "overlapped", "unused_and_no_sync"])
     assert all(_bitwise(r) for r in reports.values()), reports
 
 
 def test_at_three_ranks_naive_differs_and_rungs_3_and_4_do_not():
     # 10 KiB buckets: several buckets after the rebuild (the default caps are covered below).
-    reports = run_ladder("mlp", 3, steps=3, bucket_cap_mb=0.01, timeout_s=240,
+    reports = run_ladder("mlp", 3, steps=3, bucket_cap_mb=0.01, timeout_s=hang_bound(240),
                          rungs=["naive", "overlapped", "unused_and_no_sync"])
     assert reports["naive"]["steps"][0]["differing"] > 0, reports
     assert _bitwise(reports["overlapped"]), reports["overlapped"]
@@ -62,7 +63,7 @@ def test_at_three_ranks_naive_differs_and_rungs_3_and_4_do_not():
 def test_why_the_naive_rung_differs(capsys):
     """Take rung 1 apart at three ranks: fixing the scaling alone is not enough, and the
     bucket layout must follow DDP's rebuild too. Prints the table docs/buckets.md quotes."""
-    reports = run_ladder("mlp", 3, steps=2, timeout_s=240)
+    reports = run_ladder("mlp", 3, steps=2, timeout_s=hang_bound(240))
     with capsys.disabled():
         print("\n" + format_report(reports, "why"))
     first = {rung: r["steps"][0]["differing"] for rung, r in reports.items()}
@@ -130,7 +131,7 @@ def test_the_ladder_command_with_neither_rung_3_nor_4_claims_neither(capsys):
 def test_a_small_cap_makes_rung_2_differ_at_step_1():
     """Rung 2 matches DDP's first step only while the model fits one capped bucket: DDP's
     first backward uses one bucket per dtype whatever the cap."""
-    reports = run_ladder("mlp", 3, steps=1, bucket_cap_mb=0.001, timeout_s=240,
+    reports = run_ladder("mlp", 3, steps=1, bucket_cap_mb=0.001, timeout_s=hang_bound(240),
                          rungs=["bucketed"])
     assert reports["bucketed"]["steps"][0]["differing"] > 0, reports
 
@@ -529,7 +530,8 @@ def test_the_bucket_page_figures_are_what_the_commands_print(command, expected, 
     else:  # a python -c one-liner: torch's configuration and float16 range, the same anywhere
         argv = [sys.executable, *shlex.split(command)[1:]]
         printed = [line.strip() for line in subprocess.run(
-            argv, capture_output=True, text=True, check=True, timeout=120).stdout.splitlines()]
+            argv, capture_output=True, text=True, check=True,
+            timeout=hang_bound(120)).stdout.splitlines()]
         for line in expected:
             assert line in printed, (line, printed)
 
@@ -546,11 +548,11 @@ def test_the_ladder_table_holds_with_each_cpu_kernel_set(capability):
     the same zeros, rows and reasons — and rungs 3 and 4 bitwise."""
     proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu."
                            "get_cpu_capability())"], env=_env(ATEN_CPU_CAPABILITY=capability),
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=hang_bound(60))
     assert proc.stdout.strip() == capability.upper(), proc.stdout + proc.stderr
     proc = subprocess.run([sys.executable, *shlex.split(_LADDER_TABLE)[1:]],
                           env=_env(ATEN_CPU_CAPABILITY=capability), capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=hang_bound(240))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check_ladder_output(dict(_doc_commands())[_LADDER_TABLE],
                         [line.strip() for line in proc.stdout.splitlines()])
@@ -605,7 +607,7 @@ def test_exercise_2_dividing_after_the_sum_keeps_the_mean_and_changes_bits():
     assert 0 < step["max_abs_diff"] < 1e-6  # the same mean: the last bits only
     row = format_report({"bucketed": report}, "").splitlines()[3]
     assert "divided after the sum" in row and "DDP's scaling" not in row, row
-    assert run_ladder("mlp", 3, steps=1, rungs=["bucketed"], timeout_s=120)[
+    assert run_ladder("mlp", 3, steps=1, rungs=["bucketed"], timeout_s=hang_bound(120))[
         "bucketed"]["steps"][0]["differing"] == 0  # before the edit: 0, as the page says
 
 
@@ -643,7 +645,7 @@ def test_the_ladder_explains_torch_ddps_nothing_unused_warning_instead_of_printi
     proc = subprocess.run([sys.executable, "-m", "mini_ddp", "ladder", "--model", "mlp",
                            "--world-size", "2", "--steps", "1", "--rungs",
                            "unused_and_no_sync"], env=_env(), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=hang_bound(120))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     start = NOTHING_UNUSED.split(". ")[0]
     assert start not in proc.stderr and "reducer.cpp" not in proc.stderr, proc.stderr

@@ -19,14 +19,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
+from helpers.ranks import RanksFailed, run_ranks
 from torch import nn
 
 from mini_ddp import (
     DataParallelModel,
     MiniDDPError,
-    RanksFailed,
     UnfinishedReductionError,
-    run_ranks,
 )
 
 PG_TIMEOUT_S = 4.0
@@ -107,7 +107,7 @@ def _retry(ctx) -> dict:
 
 @pytest.mark.timeout(200)
 def test_the_error_after_a_failed_and_retried_step_names_the_unfinished_bucket():
-    results = run_ranks(_retry, 2, timeout_s=90, collective_timeout_s=30)
+    results = run_ranks(_retry, 2, timeout_s=90, collective_timeout_s=hang_bound(30))
     assert "the hook failed once" in results[1]["first"], results[1]
     message = results[1]["retry"]
     # torch's sentence first, then what was left undone, never "(indices [])".

@@ -112,7 +112,7 @@ def _killed_rank(ctx) -> str:
 
 
 def test_the_debug_switch_steps_aside_for_a_rank_that_was_killed() -> None:
-    from mini_ddp import RanksFailed, run_ranks
+    from helpers.ranks import RanksFailed, run_ranks
 
     # The process group's own timeout (300 s) is far past the bound: only the switch stepping
     # aside, and the collective then failing at once, ends this run in time.

@@ -13,13 +13,14 @@ What is proved here:
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import run_ranks
 from mini_ddp.engine.multi_device import MultiDeviceDataParallel
 
-TIMEOUT = dict(timeout_s=120, collective_timeout_s=60)
+TIMEOUT = dict(timeout_s=120, collective_timeout_s=hang_bound(60))
 
 
 def _mlp() -> nn.Module:

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers.deadlines import hang_bound
 
 from mini_ddp.tools import parity
 from mini_ddp.tools.parity_report import compare_tensors, ulp_distance
@@ -25,7 +26,7 @@ def test_cli_resnet18_world_size_3_is_bitwise_equal_and_exits_0():
     # The real command line, in a fresh interpreter: what a user runs.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "mini_ddp.tools.parity", *RESNET_ARGS, "--steps", "5"],
-                          capture_output=True, text=True, timeout=580, env=env)
+                          capture_output=True, text=True, timeout=hang_bound(580), env=env)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(yes|NO)\s+(\S+)\s+(\d+)\s*$", out, re.M)

@@ -16,12 +16,14 @@ import copy
 from dataclasses import asdict, dataclass
 
 import torch
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 STEPS = 3
 
@@ -108,7 +110,7 @@ def test_parity_with_torch_ddp_holds_on_random_mlps(batch: list[Config]) -> None
     for world_size in sorted({c.world_size for c in batch}):
         cases = [c for c in batch if c.world_size == world_size]
         per_rank = run_ranks(_check, world_size, args=([asdict(c) for c in cases],),
-                             timeout_s=240, collective_timeout_s=120)
+                             timeout_s=240, collective_timeout_s=hang_bound(120))
         for rank, verdicts in enumerate(per_rank):
             for case, verdict in zip(cases, verdicts, strict=True):
                 assert verdict is None, f"rank {rank}, {case}: {verdict}"

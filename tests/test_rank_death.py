@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.deadlines import hang_bound
+from helpers.ranks import RanksFailed, run_ranks
 from torch import nn
 
-from mini_ddp import DataParallelModel, GradSyncTimeout, MiniDDPError, RanksFailed, run_ranks
+from mini_ddp import DataParallelModel, GradSyncTimeout, MiniDDPError
 
 SYNC_TIMEOUT_S = 3.0  # DataParallelModel(sync_timeout_s=...) in the hang cases
 GLOO_TIMEOUT_S = 60.0  # the process group's own timeout: must not be what fires
@@ -130,7 +132,7 @@ def run_case(name: str, outdir: str) -> dict:
     started = time.monotonic()
     with pytest.raises(RanksFailed) as failed:
         run_ranks(_train_recording_pid, 3, args=(name, outdir), timeout_s=90,
-                  collective_timeout_s=GLOO_TIMEOUT_S)
+                  collective_timeout_s=hang_bound(GLOO_TIMEOUT_S))
     wall = time.monotonic() - started
     failed_at = json.loads(Path(outdir, "failed_at.json").read_text())
     survivors = {}
@@ -158,11 +160,11 @@ def test_survivors_raise_a_clear_error_in_bounded_time(name: str, tmp_path: Path
         assert error_type in failures[rank] and "mini_ddp:" in failures[rank]
         if how == "SIGKILL":
             # Gloo sees the closed socket at once; 30 s only guards against a hang.
-            assert report["seconds_to_error"] < 30, report
+            assert report["seconds_to_error"] < hang_bound(30), report
         else:
             # A hung peer is only noticed by our deadline (the error type says it was ours, not
             # Gloo's 60 s); the bound only guards against a hang.
-            assert report["seconds_to_error"] < SYNC_TIMEOUT_S + 30, report
+            assert report["seconds_to_error"] < SYNC_TIMEOUT_S + hang_bound(30), report
 
 
 def test_gradsynctimeout_is_a_mini_ddp_error() -> None:

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 
-from mini_ddp import run_ranks
 from mini_ddp.training.checkpoint import LATEST, load_checkpoint
 from mini_ddp.training.launch import DistInfo, stop_torchrun
 from mini_ddp.training.models import Seed002CNN
@@ -84,7 +85,7 @@ def test_killed_ranks_restart_from_the_last_good_checkpoint_without_loss(tmp_pat
     faulty = _torchrun(tmp_path / "faulty", 2, FAULTS, tmp_path / "faulty.jsonl")
     try:
         run_ranks(_reference_rank, 2, args=(str(tmp_path / "reference"),), timeout_s=300)
-        out, _ = faulty.communicate(timeout=480)
+        out, _ = faulty.communicate(timeout=hang_bound(480))
     finally:
         stop_torchrun(faulty)
     assert faulty.returncode == 0, out[-4000:]

@@ -24,10 +24,11 @@ import warnings
 
 import pytest
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.reducer import Reducer
 from mini_ddp.transport.shm import FILE_PREFIX, SHM_DIR
 

@@ -20,11 +20,12 @@ import typing
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from mini_ddp import DataParallelModel, MarkedTwiceError, run_ranks
+from mini_ddp import DataParallelModel, MarkedTwiceError
 
 
 class Mismatch(AssertionError):

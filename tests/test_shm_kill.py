@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.deadlines import hang_bound
 from helpers.shm_kill_rank import POINTS, rank_main
 
 from mini_ddp.transport.shm import FILE_PREFIX, SHM_DIR
@@ -75,7 +76,7 @@ def test_sigkill_under_torchrun_leaves_no_shm_file(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(HELPER), "creation", "1", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=120)
+        env=env, capture_output=True, text=True, timeout=hang_bound(120))
     assert done.returncode != 0  # the job failed: a rank was killed
     assert Path(tmp_path, "reached1").read_text() == "creation", done.stderr[-2000:]
     assert _leftovers(tmp_path) == []

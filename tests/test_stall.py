@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 
-from mini_ddp import DataParallelModel, MiniDDPError, run_ranks
+from mini_ddp import DataParallelModel, MiniDDPError
 from mini_ddp.watch.stall import ARRIVAL_GRACE_S, StallReport, StallWatchdog, holds_up
 
 LIMIT_S = 3.0
@@ -114,7 +116,7 @@ def test_warn_mode_logs_the_report_and_keeps_waiting():
     rank0, rank1 = run_ranks(_skip_on_rank1, 2, args=("warn", True, LIMIT_S + 1.0),
                              timeout_s=120)
     assert rank0["type"] == "GradSyncTimeout", rank0["message"]
-    assert LIMIT_S + 0.9 < rank0["waited"] < LIMIT_S + 1.0 + ARRIVAL_GRACE_S
+    assert LIMIT_S + 0.9 < rank0["waited"] < LIMIT_S + 1.0 + hang_bound(ARRIVAL_GRACE_S)
     assert any("stall report from rank 0" in w and "branch.weight" in w
                for w in rank0["warnings"])
     assert rank1["type"] == "UnfinishedReductionError"  # the engine's own error, after ...

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
 
 from mini_ddp.tools.doctor import diagnose
 from mini_ddp.watch import peers
@@ -31,7 +32,7 @@ HELPER = Path(__file__).resolve().parent / "helpers" / "store_faults.py"
 sys.path.insert(0, str(HELPER.parent))
 import store_faults  # noqa: E402
 
-RUN_LIMIT_S = 120  # a hang guard for one run of all its processes
+RUN_LIMIT_S = 120  # a hang guard for one run of all its processes (scaled: hang_bound)
 
 
 def run_case(case: str, engines: str, world: int, outdir: Path) -> dict:
@@ -46,7 +47,7 @@ def run_case(case: str, engines: str, world: int, outdir: Path) -> dict:
             store = subprocess.Popen([sys.executable, str(HELPER), "store", str(portfile)],
                                      env=env)
             (outdir / "store.pid").write_text(str(store.pid))
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + hang_bound(60)
             while not portfile.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             port = int(portfile.read_text())
@@ -54,7 +55,7 @@ def run_case(case: str, engines: str, world: int, outdir: Path) -> dict:
             procs.append(subprocess.Popen(
                 [sys.executable, str(HELPER), "rank", case, engines, str(rank), str(world),
                  str(port), str(outdir)], env=env, stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + RUN_LIMIT_S
+        deadline = time.monotonic() + hang_bound(RUN_LIMIT_S)
         codes, errors = {}, {}
         for rank, proc in enumerate(procs):
             try:
@@ -117,7 +118,7 @@ def test_a_frozen_store_host_fails_the_survivors_like_torch_ddp(frozen_host):
         # Says why the late rank cannot be named: its store (rank 0's process) is frozen.
         assert "rendezvous store" in ours["message"], ours["message"]
         # Bounded: a guard against the hang (the figures are in docs/reliability.md).
-        assert ours["after_s"] < store_faults.PG_TIMEOUT_S + 30, ours
+        assert ours["after_s"] < store_faults.PG_TIMEOUT_S + hang_bound(30), ours
 
 
 # ---- a rank that finishes one step early, or dies --------------------------------------------
@@ -224,7 +225,7 @@ def test_a_stuck_store_call_raises_at_its_deadline_and_holds_up_no_later_call():
     with pytest.raises(StoreUnanswered, match="still waiting for it"):
         bounded_store_call(_Prefixed(store), lambda s: s.underlying_store.get("k"), 60)
     store.release.set()  # the store answers again: so does the next call
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + hang_bound(30)
     while time.monotonic() < deadline:
         try:
             assert bounded_store_call(store, lambda s: s.get("k"), 5) == b"late"

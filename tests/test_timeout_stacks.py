@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers.ranks import run_ranks
 from torch import nn
 
-from mini_ddp import DataParallelModel, GradSyncTimeout, run_ranks
+from mini_ddp import DataParallelModel, GradSyncTimeout
 from mini_ddp.watch.flight_log import flight_recorder, read_dumps
 
 TIMEOUT_S = 1.0

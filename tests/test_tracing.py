@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 from mini_ddp.engine.config import format_bytes
 from mini_ddp.observe.timeline import (
     overlap,

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.deadlines import hang_bound
 
 from mini_ddp.training.launch import stop_torchrun
 
@@ -40,7 +41,7 @@ SYNC_TIMEOUT_S = 5.0
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=hang_bound(30))
 
 
 @pytest.fixture
@@ -101,7 +102,7 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout_s)[0])
+            outputs.append(proc.communicate(timeout=hang_bound(timeout_s))[0])
     finally:
         for proc in procs:
             stop_torchrun(proc)
@@ -137,7 +138,7 @@ def test_a_network_partition_stops_every_rank_with_a_named_timeout(two_hosts, tm
                                      "--sync-timeout", str(SYNC_TIMEOUT_S)])
     cut_at = None
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + hang_bound(300)
         while not (errors / "step5").exists():  # let training get going first
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 pytest.fail("training did not reach step 5 on both nodes")
@@ -156,7 +157,7 @@ def test_a_network_partition_stops_every_rank_with_a_named_timeout(two_hosts, tm
         assert report["type"] in ("GradSyncTimeout", "CollectiveError"), report
         assert f"rank {rank}" in report["message"] and "bucket" in report["message"], report
         # Nothing but our deadline can end this wait: not Gloo (120 s here), not TCP.
-        assert report["at"] - cut_at < SYNC_TIMEOUT_S + 30, report
+        assert report["at"] - cut_at < SYNC_TIMEOUT_S + hang_bound(30), report
     assert all(p.returncode != 0 for p in procs), outputs
     print(f"partition: errors {sorted(round(r['at'] - cut_at, 2) for r in reports.values())} s "
           f"after the cut, torchrun exited {exited_after:.1f} s after it")

@@ -18,12 +18,13 @@ import re
 
 import pytest
 import torch
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 WIDTH, DEPTH, STEPS, CHANGE = 4, 20, 8, 5
 

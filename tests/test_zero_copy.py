@@ -19,10 +19,12 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from helpers.deadlines import hang_bound
+from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mini_ddp import DataParallelModel, run_ranks
+from mini_ddp import DataParallelModel
 
 
 def _net() -> nn.Module:
@@ -297,6 +299,6 @@ print("MISMATCHES", sorted(set(map(str, bad))))
 def test_f_locals_tracer_while_importing_does_not_fool_the_opt_in(tmp_path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", _TRACED_IMPORT], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=hang_bound(180))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MISMATCHES []" in done.stdout, done.stdout + done.stderr[-2000:]

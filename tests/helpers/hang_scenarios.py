@@ -31,10 +31,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers.deadlines import hang_bound
+from helpers.ranks import RanksFailed, run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from mini_ddp import DataParallelModel, MiniDDPError, RanksFailed, run_ranks
+from mini_ddp import DataParallelModel, MiniDDPError
 from mini_ddp.watch.flight_log import flight_recorder
 from mini_ddp.watch.stacks import ask_stacks
 
@@ -124,7 +126,7 @@ def _job(ctx, outdir: str) -> None:
     for _ in range(20):
         DataParallelModel(_net())
     gc.collect()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + hang_bound(5)
     while _responders() > base and time.monotonic() < deadline:
         time.sleep(0.05)
     seen["responders_before_after"] = [base, _responders()]
@@ -205,7 +207,8 @@ def _run(outdir: str) -> tuple[dict[int, dict], str]:
         done = folder / "harness_failure.txt"
         if not done.exists():
             try:
-                run_ranks(_job, 3, args=(outdir,), timeout_s=150, collective_timeout_s=60)
+                run_ranks(_job, 3, args=(outdir,), timeout_s=150,
+                          collective_timeout_s=hang_bound(60))
                 failure = "no rank failed"
             except RanksFailed as error:
                 failure = str(error)

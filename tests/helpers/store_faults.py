@@ -20,7 +20,9 @@ Cases:
   then ends (``destroy``), or is SIGKILLed (``kill``); rank 0's next step fails.
 * ``finish_fork_kill`` (2 ranks): as ``finish_kill``, but first, after wrapping, rank 1 forks
   a child (as a ``DataLoader`` worker is one) that dumps the flight log and ends with
-  ``sys.exit(0)`` (its exit handlers run); then rank 0 asks rank 1 for its stack.
+  ``sys.exit(0)`` (its exit handlers run); then rank 0 asks rank 1 for its stack. No stall
+  warning may fire in the finish cases (``stall_warning_s=FINISH_STALL_S``): its dump would be a
+  dump of rank 1's, and the doctor's finding is about a rank that left none.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ STEPS = 4
 PG_TIMEOUT_S = 6.0  # frozen_host: the process group's timeout (shortened from 30 s)
 STALL_S = 2.0  # frozen_host: stall_warning_s (shortened from 5 s)
 SAFE_TIMEOUT_S = 30.0  # the store faults' process-group timeout: far beyond SLOW_S
+FINISH_STALL_S = 3600.0  # the finish cases: beyond any step, however busy the machine
 
 
 def _net() -> nn.Module:
@@ -100,7 +103,8 @@ def run_rank(case: str, engines: str, rank: int, world: int, port: int, outdir: 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=delta)
     dist.barrier()
     Path(out, f"pid{rank}").write_text(str(os.getpid()))
-    stall = STALL_S if case == "frozen_host" else 1.0
+    stall = {"frozen_host": STALL_S, "frozen_store": 1.0, "gone_store": 1.0}.get(case,
+                                                                            FINISH_STALL_S)
     # Every engine's model is wrapped before the fault (torch DDP's start-up uses the store).
     models = {engine: _wrap(engine, _net(), stall_warning_s=stall, bucket_cap_mb=0.0005)
               for engine in engines.split(",")}

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from helpers.deadlines import hang_bound
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # tiny models from configs only
 
@@ -33,6 +35,6 @@ def run_two_ranks(helper: str, out_dir: Path, timeout_s: float = 180,
         env.pop("MASTER_PORT", None)  # the framework's launcher picks a free one
     proc = subprocess.run([sys.executable, *launcher, str(Path(__file__).parent / helper),
                            str(out_dir)],
-                          env=env, capture_output=True, text=True, timeout=timeout_s)
+                          env=env, capture_output=True, text=True, timeout=hang_bound(timeout_s))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
