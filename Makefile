@@ -60,7 +60,7 @@ FLOOR_VENV   ?= .venv-floor
 FLOOR_TESTS  := tests/test_core_parity.py tests/test_core_errors.py tests/test_comm_hooks.py \
                 tests/test_join.py tests/test_dropin_reducer_mixed_precision.py \
                 tests/test_dropin_errors.py tests/test_nccl_semantics.py tests/test_gpu_check.py \
-                tests/test_device_timer.py
+                tests/test_device_timer.py tests/test_user_hooks.py tests/test_subgroups.py
 
 $(FLOOR_VENV)/.installed:
 	@test -n "$(FLOOR_PYTHON)" || { echo "test-floor: no Python 3.12 found (set FLOOR_PYTHON=...)"; exit 1; }
