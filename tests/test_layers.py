@@ -4,7 +4,7 @@ and no module uses another module's ``_private`` names.
 Layers, lowest first (a module may import its own layer and the ones below)::
 
     errors  <  transport  <  engine, ladder  <  watch  <  checks  <  observe  <  training  <  tools
-            <  integrations  <  mini_ddp/__init__
+            <  integrations  <  mini_ddp/__init__, attach
 
 Every ``import`` counts, including those inside functions: a lazy import hides a cycle from
 Python, not from a reader.
@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mini_ddp"
 
 LAYER_RANK = {"errors": 0, "transport": 1, "engine": 2, "ladder": 2, "watch": 3, "checks": 4,
               "observe": 5, "training": 6, "tools": 7, "integrations": 8}
-TOP_RANK = 9  # mini_ddp/__init__.py and __main__.py re-export and dispatch
+TOP_RANK = 9  # mini_ddp/__init__.py and __main__.py re-export and dispatch; attach.py, the
+# one line a torch DDP user adds, sits beside them
 
 
 def module_name(path: Path) -> str:
@@ -37,7 +38,7 @@ TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.
 
 def rank(module: str) -> int:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] == "__main__":
+    if len(parts) == 1 or parts[1] in ("__main__", "attach"):
         return TOP_RANK
     return LAYER_RANK[parts[1]]
 
