@@ -24,6 +24,7 @@ import warnings
 
 import pytest
 import torch
+from helpers.deadlines import hang_bound
 from helpers.ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -132,13 +133,19 @@ def _counts(tokens: list[str]) -> dict[str, int]:
                                  for t in tokens)}
 
 
-def _settled(tokens: list[str]) -> dict[str, int]:
-    """Counts once a dropped transport's worker has ended and its group is destroyed."""
-    counts, deadline = _counts(tokens), time.monotonic() + 10
+def _settled(tokens: list[str], down_to: dict[str, int] | None = None) -> dict[str, int]:
+    """Counts once a dropped transport's worker has ended and its group is destroyed: once
+    two readings agree, or (``down_to``) once no count is above it. Threads a dropped model
+    stops end on their own time (a stack responder leaves its store wait when woken), so
+    under load the last models' may still be on their way out: waited for, within a bound."""
+    counts, deadline = _counts(tokens), time.monotonic() + hang_bound(10)
     while time.monotonic() < deadline:
         time.sleep(0.2)
         again = _counts(tokens)
-        if again == counts:
+        if down_to is not None:
+            if all(again[k] <= down_to[k] for k in down_to):
+                return again
+        elif again == counts:
             break
         counts = again
     return counts
@@ -167,7 +174,7 @@ def _cycles(ctx, n: int) -> dict:
         before = _settled(tokens)
         for _ in range(n):
             cycle()
-        after = _settled(tokens)
+        after = _settled(tokens, down_to=before)
         return {"live": live[0], "before": before, "after": after,
                 "transports": len(set(tokens)), "cycles": len(tokens)}
     finally:
