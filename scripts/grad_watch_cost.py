@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 
 import torch
-from stall_warning_cost import paired_steps, print_ratios  # this script's folder
+from stall_warning_cost import paired_steps, print_run  # this script's folder
 
 from mini_ddp import DataParallelModel, run_ranks
 from mini_ddp.checks.grad_watch import GradWatch
@@ -45,10 +44,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=30)
     args = parser.parse_args()
     results = run_ranks(_rank, 2, args=(args.check, args.pairs), timeout_s=1800)
-    print(f"{args.pairs} paired steps per rank, resnet18, world size 2, Gloo, torch "
-          f"{torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print_ratios(results)
+    print_run(results, f"{args.pairs} paired steps per rank, resnet18")
 
 
 if __name__ == "__main__":

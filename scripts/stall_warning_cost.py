@@ -68,14 +68,20 @@ def print_ratios(results: list[dict[str, list[tuple[float, float]]]]) -> None:
                   f"{first}/{second} {ratio:.3f}")
 
 
+def print_run(results: list[dict[str, list[tuple[float, float]]]], what: str) -> None:
+    """The run's machine line (``what``: the steps and model), then :func:`print_ratios`."""
+    print(f"{what}, world size 2, Gloo, torch {torch.__version__}, "
+          f"{torch.backends.cpu.get_cpu_capability()}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print_ratios(results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=300)
     args = parser.parse_args()
     results = run_ranks(_rank, 2, args=(args.pairs,), timeout_s=600)
-    print(f"{args.pairs} paired steps per rank, world size 2, Gloo, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print_ratios(results)
+    print_run(results, f"{args.pairs} paired steps per rank")
 
 
 if __name__ == "__main__":
