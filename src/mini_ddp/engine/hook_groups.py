@@ -163,7 +163,6 @@ class HookGroups:
         self.groups: list[Group] | None = None  # the armed plan, or None: one hook per gradient
         self.fallbacks = 0
         self.views_seen = False  # a .grad was a view at arming time: never grouped again
-        self.hooked_by: str | None = None  # the user hook that makes this backward read at hooks
         self.changed_late: str | None = None  # a gradient seen changing after its hook
         self.quiet = 0  # backwards read at hooks in which nothing changed late
         self._last_order: list[int] | None = None
@@ -189,7 +188,6 @@ class HookGroups:
     def reads_late(self, hooked_by: str | None) -> bool:
         """Before a synchronised backward: may its gradients be read after their hooks?
         ``hooked_by``: :func:`user_grad_hook`'s finding for it."""
-        self.hooked_by = hooked_by
         return hooked_by is None and self.changed_late is None and self.quiet >= PROBE_BACKWARDS
 
     def late_change(self, name: str) -> None:

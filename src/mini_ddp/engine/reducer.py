@@ -305,7 +305,6 @@ class Reducer(TorchReducerAPI):
         # rather than in them, as torch's reducer does: decided before every synchronised
         # backward by hook_groups (HookGroups.reads_late), False without it.
         self.reads_late = False
-        self._changed_late = False  # this backward saw a gradient change after its hook
         self._hooks_removed = False
         self._hook_handles: list[Any] = []
         self._register_param_hooks()
@@ -443,7 +442,7 @@ class Reducer(TorchReducerAPI):
         if self.unused_search.dynamic:
             self.unused_search.search(self._accumulators, outputs)
         groups = self.hook_groups
-        self.reads_late = self._changed_late = False
+        self.reads_late = False
         if groups is not None and not self._hooks_removed:
             if self.scales_whole_buckets:  # the default path: the only one that reads late
                 self.reads_late = groups.reads_late(
@@ -815,7 +814,6 @@ class Reducer(TorchReducerAPI):
                     index = bucket.param_indices[position]
                     if self.reads_late:
                         raise GradChangedLateError(self.rank, self.names[index], index)
-                    self._changed_late = True
                     if self.hook_groups is not None:
                         self.hook_groups.late_change(self.names[index])
                     break
@@ -992,7 +990,7 @@ class Reducer(TorchReducerAPI):
             elif groups is not None and self.step.plain and not self._hooks_removed:
                 groups.observe(self.step.ready_order, self.params)
             if groups is not None and self.scales_whole_buckets and not self.reads_late \
-                    and not self._changed_late:
+                    and groups.changed_late is None:
                 groups.quiet_backward()  # read at the hooks, and nothing changed after them
             # The synced backward has finished (its gradients are being written back): the
             # step state's end, inline (one call less on every backward's path).
