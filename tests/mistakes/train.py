@@ -74,7 +74,10 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
     gen = torch.Generator().manual_seed(0 if mistake == "same_data" else 100 + rank)
     steps = STEPS - 2 if mistake == "finish_early" and rank == 1 else STEPS
     steps += 1 if mistake == "uneven" and rank == 0 else 0
-    steps = 100 if mistake == "eval_mode" else steps  # the replica check runs at step 100
+    # The replica check posts each rank's record at forward 100 and compares at the next
+    # forward: by forward 101 every record is up (backward 100 synchronised the ranks), so
+    # every rank warns, not only whichever posted last.
+    steps = 101 if mistake == "eval_mode" else steps
     try:
         for step in range(1, steps + 1):
             x = torch.randn(6, 8, generator=gen)
