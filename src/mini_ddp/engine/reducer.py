@@ -959,7 +959,8 @@ class Reducer(TorchReducerAPI):
             # The shared-memory transport's own error names a slot: name the bucket, with
             # the backend's words (a CollectiveError of the transport keeps them as cause).
             cause = err.__cause__ if isinstance(err, CollectiveError) else None
-            raise CollectiveError(self.rank, self.describe(bucket), cause or err) from err
+            raise CollectiveError(self.rank, self.describe(bucket), cause or err,
+                                  late=late or "") from err
         except RuntimeError as err:  # the backend's failure (naming_collective's rule)
             raise collective_error(self.rank, self.describe(bucket), err,
                                    late=late or "") from err
