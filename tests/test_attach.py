@@ -3,11 +3,13 @@ classic mistakes are named in the words DataParallelModel uses (tests/mistakes/t
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.ranks import run_ranks
-from test_mistakes import run_script, told
+from helpers.ranks import RanksFailed, run_ranks
+from test_mistakes import run_script, short_waits, told
 from torch import nn
 
 import mini_ddp
@@ -62,7 +64,8 @@ def test_attaching_changes_no_bit_of_torch_ddp_training(debug: bool, user_hook: 
     assert run_ranks(_train_pair, 2, (debug, user_hook), timeout_s=240) == [True, True]
 
 
-# (mistake, debug switch, the text each rank-side must contain): the same for both engines.
+# (mistake, debug switch, rank, the text that rank's output must contain): the same for both
+# engines.
 NAMED = [
     ("load_on_one_rank", False, 0, "the replicas differ at step 1: in parameter fc1.weight"),
     ("same_data", False, 0, "computed bitwise identical local gradients in the first"),
@@ -73,6 +76,12 @@ NAMED = [
     ("nan", True, 1, "holds NaN in the backward of step 3, before the all-reduce"),
     ("nan", True, 0, "came from rank 1"),
     ("no_grad_eval", True, 0, "an extra forward"),
+    ("no_grad_eval", False, 0, "an extra forward through the wrapper on rank 0: by step 100"),
+    ("no_grad_eval", False, 1, "an extra forward through the wrapper on rank 0: by step 100"),
+    ("extra_forward", True, 0, "an extra forward through"),
+    ("extra_forward", True, 1, "an extra forward through"),
+    ("extra_forward", False, 1, "an extra forward through the wrapper on rank 0 — a forward "
+                                "rank 1 did not run"),
     ("uneven", True, 0, "uneven inputs"),
     ("one_rank_collective", True, 1, "rank 0 is inside torch.distributed.all_reduce (called at "
                                      "train.py"),
@@ -81,12 +90,102 @@ NAMED = [
 ]
 
 
+@functools.cache
+def _output(mistake: str, engine: str, debug: bool) -> str:
+    """One run per script and engine, whichever rows read it (a run that fails is not kept)."""
+    return run_script(mistake, engine, debug, env=short_waits(mistake, debug))
+
+
 @pytest.mark.parametrize("engine", ["mini", "attach"])
 @pytest.mark.parametrize(("mistake", "debug", "rank", "text"), NAMED,
                          ids=[f"{m}-{r}" for m, _, r, _ in NAMED])
 def test_a_classic_mistake_is_named_alike_under_attach(engine: str, mistake: str, debug: bool,
                                                         rank: int, text: str) -> None:
-    out = run_script(mistake, engine, debug, env={"STALL_S": "3"} if mistake == "stuck" else {})
+    out = _output(mistake, engine, debug)
     mine = said_by(out, rank)
     assert text in mine, out[-4000:]
     assert "died" not in told(out, 0) + told(out, 1), out[-4000:]
+    if mistake in ("no_grad_eval", "extra_forward"):  # the message that names it, no other
+        named = next(line for line in mine.splitlines() if text in line)
+        assert "uneven inputs" not in named, named
+
+
+def _evaluations(ctx, engine: str) -> dict[str, bool]:
+    """Per case, whether this rank was told of an extra forward (a replica check every step)."""
+    import logging
+
+    from mini_ddp import DataParallelModel
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("mini_ddp").addHandler(handler)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    found = {}
+    for case in ("rank0", "every_rank", "no_buffers", "no_sync"):
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)) \
+            if case == "no_buffers" else _net()
+        if engine == "mini":
+            model = DataParallelModel(net, replica_check_every=1)
+        else:
+            model = mini_ddp.attach(nn.parallel.DistributedDataParallel(net),
+                                    replica_check_every=1)
+        said.clear()
+        # After step 2: the buckets are rebuilt at forward 2, and torch DDP's rebuild
+        # broadcasts the bucket order, which a one-rank evaluation before it would meet (a
+        # size mismatch that Gloo aborts on, in either engine).
+        for step in range(1, 6):
+            model(torch.randn(6, 8, generator=gen)).square().mean().backward()
+            if step == 2 and case == "no_sync":  # gradient accumulation, on every rank
+                with model.no_sync():
+                    model(torch.randn(6, 8, generator=gen)).sum().backward()
+            elif step == 2 and (ctx.rank == 0 or case == "every_rank"):
+                with torch.no_grad():
+                    model(torch.randn(6, 8, generator=gen))  # an evaluation forward
+        found[case] = any("an extra forward through the wrapper on rank 0" in t for t in said)
+    return found
+
+
+@pytest.mark.parametrize("engine", ["mini", "attach"])
+def test_an_evaluation_forward_on_one_rank_is_counted_only_when_it_broadcasts(engine: str
+                                                                             ) -> None:
+    # Named on every rank where rank 0 alone broadcast the buffers outside a training step;
+    # an evaluation on every rank, or on a model without buffers (no collective), and a
+    # no_sync() step on every rank are not mistakes.
+    told = {"rank0": True, "every_rank": False, "no_buffers": False, "no_sync": False}
+    assert run_ranks(_evaluations, 2, (engine,), timeout_s=120) == [told, told]
+
+
+def _killed_rank(ctx, debug: bool) -> str:
+    import logging
+    import os
+    import signal
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("mini_ddp").addHandler(handler)
+    model = mini_ddp.attach(nn.parallel.DistributedDataParallel(_net()), debug=debug,
+                            stall_warning_s=2)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    try:
+        for step in range(1, 6):
+            if ctx.rank == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)  # killed: no finish mark, no word
+            model(torch.randn(3, 8, generator=gen)).sum().backward()
+    except RuntimeError as error:  # torch's own error: what mini_ddp said comes before it
+        raise RuntimeError("\n".join([f"{type(error).__name__}: {error}", *said])) from None
+    return "done"
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["defaults", "debug"])
+def test_a_killed_rank_is_said_to_have_most_likely_died_under_attach(debug: bool) -> None:
+    # The process group's own timeout (300 s) is far past the bound: only the collective
+    # failing at once (the switch stepping aside for a rank that neither left a finish mark
+    # nor answers) ends this run in time.
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_killed_rank, 2, (debug,), timeout_s=150, collective_timeout_s=300)
+    text = str(failed.value)
+    rank0 = text.split("--- rank 0 ---")[1].split("--- rank 1 ---")[0]
+    assert "Another rank has most likely died" in rank0, rank0
+    assert "finished" not in rank0 and "uneven inputs" not in rank0, rank0

@@ -14,17 +14,38 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.deadlines import hang_bound
 
 from mini_ddp.tools.doctor import diagnose
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mistakes" / "train.py"
 BOUND_S = 170  # the default stall warning is 60 s: a hang outlives this, an end does not
+SHORT_STALL_S = "3"
+"""The stall warning's limit where what is named does not depend on how long the wait is."""
+
+
+def short_waits(mistake: str, debug: bool) -> dict[str, str]:
+    """The environment that makes ``mistake``'s run name it in seconds, not minutes.
+
+    The stall warning's limit (``STALL_S``; under the switch also the collective check's wait
+    before it asks a late peer for its stack) where a peer is stuck or can never come: its
+    stack says why, however long the wait was. An extra forward with grad deadlocks the ranks
+    at defaults: the stall report names it, and the process group's timeout (``TIMEOUT_S``,
+    a hang bound: far past the report) then ends the run."""
+    env = {}
+    if mistake in ("stuck", "uneven", "one_rank_collective", "extra_forward"):
+        env["STALL_S"] = SHORT_STALL_S
+    if mistake == "extra_forward" and not debug:
+        env["TIMEOUT_S"] = f"{hang_bound(20):g}"
+    return env
 
 
 def run_script(mistake: str, engine: str = "mini", debug: bool = False,
                bound_s: float = BOUND_S, env: dict[str, str] | None = None) -> str:
-    """The script's output (both ranks); fails when it does not end within ``bound_s``."""
+    """The script's output (both ranks); fails when it does not end within ``bound_s`` (a
+    hang bound, scaled by the machine's slowdown)."""
+    bound_s = hang_bound(bound_s)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("MINI_DDP_DEBUG", None)
     if debug:
@@ -34,7 +55,7 @@ def run_script(mistake: str, engine: str = "mini", debug: bool = False,
                               capture_output=True, text=True, timeout=bound_s, cwd=ROOT)
     except subprocess.TimeoutExpired as hung:
         out = (hung.stdout or b"").decode() if isinstance(hung.stdout, bytes) else hung.stdout
-        pytest.fail(f"{mistake} ({engine}, debug={debug}) did not end in {bound_s} s:\n{out}")
+        pytest.fail(f"{mistake} ({engine}, debug={debug}) did not end in {bound_s:g} s:\n{out}")
     return done.stdout + done.stderr
 
 

@@ -57,7 +57,13 @@ from mini_ddp.checks.grad_watch import GradWatch
 from mini_ddp.errors import DEBUG_HINT
 from mini_ddp.watch.bounded_store import StoreUnanswered, bounded_store_call, default_store
 from mini_ddp.watch.peers import explain_peers, note_mistake, peer_states, watch
-from mini_ddp.watch.stacks import ANSWER_S, ask_stacks, describe_answer, start_responder
+from mini_ddp.watch.stacks import (
+    ANSWER_S,
+    ask_stacks,
+    describe_answer,
+    extra_forward,
+    start_responder,
+)
 
 __all__ = ["Attachment", "attach", "attachment"]
 
@@ -362,6 +368,7 @@ class Attachment:
         answers = ask_stacks(self.store, late[:4], self.answer_s, asked_by=rank,
                              why=f"rank {rank} waits for bucket {index} of step {step}") \
             if late and self._responder is not None else {}
+        named = False
         for r in late:
             state = states.get(r)
             if state is not None and state.state in ("finished", "failed"):
@@ -372,7 +379,11 @@ class Attachment:
                          f"{ARRIVAL_GRACE_S:g} s of this one)")
             if r in answers:
                 lines.append(describe_answer(r, answers[r]))
-        if late:
+                verdict = extra_forward(r, answers[r], rank, step)
+                if verdict:
+                    lines.append(verdict)
+                    named = True
+        if late and not named:
             lines.append("  A rank that has not reached the bucket is still computing or is "
                          "stuck before it (data loading, a rank-dependent branch, a deadlock "
                          "in user code); this rank keeps waiting for it.")

@@ -11,6 +11,7 @@ docs/debugging.md, written without the project's test harness.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -24,7 +25,7 @@ from torch import nn
 
 MISTAKES = ("none", "finish_early", "no_grad_eval", "nan", "bypass", "uneven",
             "one_rank_collective", "same_data", "load_on_one_rank", "eval_mode", "param_added",
-            "stuck")
+            "stuck", "extra_forward")
 STEPS = 5
 
 
@@ -62,7 +63,11 @@ def say(line: str) -> None:
 def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # TIMEOUT_S in the environment: the process group's timeout (default: torch's 30 min), for
+    # a mistake that deadlocks.
+    timeout = {"timeout": datetime.timedelta(seconds=float(os.environ["TIMEOUT_S"]))} \
+        if "TIMEOUT_S" in os.environ else {}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **timeout)
     torch.manual_seed(0)
     model = wrap(Net(), engine)
     if mistake == "load_on_one_rank" and rank == 0:
@@ -76,8 +81,9 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
     steps += 1 if mistake == "uneven" and rank == 0 else 0
     # The replica check posts each rank's record at forward 100 and compares at the next
     # forward: by forward 101 every record is up (backward 100 synchronised the ranks), so
-    # every rank warns, not only whichever posted last.
-    steps = 101 if mistake == "eval_mode" else steps
+    # every rank warns, not only whichever posted last. A mistake made after step 1 shows in
+    # the step-100 record only.
+    steps = 101 if mistake in ("eval_mode", "no_grad_eval") else steps
     try:
         for step in range(1, steps + 1):
             x = torch.randn(6, 8, generator=gen)
@@ -97,6 +103,8 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
                 with torch.no_grad():
                     model(torch.randn(6, 8, generator=gen))
                 model.train()
+            if mistake == "extra_forward" and rank == 0 and step == 2:
+                model(torch.randn(6, 8, generator=gen))  # with grad, its output dropped
             if mistake == "eval_mode" and rank == 0 and step == 1:
                 model.eval()  # evaluation mode on rank 0 ... and no model.train() after it
             if mistake == "one_rank_collective" and rank == 0 and step == 2:

@@ -2,8 +2,9 @@
 
 **Always on** (nearly free, docs/debugging.md has the figures): the replica check
 (:mod:`mini_ddp.checks.replicas` — identical data on every rank at step 1; parameters, buffers,
-train/eval modes and parameter sets compared at step 1 and every ``replica_check_every``
-steps), a WARNING when something differs.
+train/eval modes, parameter sets and the count of buffer broadcasts outside a training step
+(an extra forward on one rank) compared at step 1 and every ``replica_check_every`` steps), a
+WARNING when something differs.
 
 **The debug switch** — ``DataParallelModel(..., debug=True)``, or the environment variable
 ``MINI_DDP_DEBUG=1``, or torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` — adds what costs a
@@ -84,6 +85,8 @@ class SyncChecks:
         the model has been inside ``join()`` (torch's ``Join`` leaves the model's join config
         enabled after the context): the fingerprints pause for good — a joined rank shadows
         the others' collectives without their forwards, and counts no steps."""
+        if self.replicas is not None and broadcast and not synced:
+            self.replicas.broadcast_off_step()
         if self.watch is not None and grad_enabled:
             self.watch.forward_seen()
         if self.fingerprints is not None:
@@ -108,13 +111,18 @@ class SyncChecks:
 
     # ---- the engine's events (mini_ddp.engine.observer) ----------------------------------
     def forward_begun(self, model: Any) -> None:
-        """Debug switch: the checks of a forward about to run its collectives."""
+        """The checks of a forward about to run its collectives: under the debug switch all
+        of them (:meth:`before_collectives`); by default only the replica check's count of
+        buffer broadcasts outside a training step, which a training forward skips at the
+        cost of two reads."""
+        grad_enabled = torch.is_grad_enabled()
+        synced = grad_enabled and model.require_backward_grad_sync
         if self.debug:
-            grad_enabled = torch.is_grad_enabled()
-            synced = grad_enabled and model.require_backward_grad_sync
             self.before_collectives(grad_enabled, synced, model.will_sync_module_buffers(),
                                     model.reducer.step.num_iterations + synced,
                                     joining=model.joining)
+        elif not synced and self.replicas is not None and model.will_sync_module_buffers():
+            self.replicas.broadcast_off_step()
 
     def forward_ready(self, model: Any, buffers_synced: bool) -> None:
         """A synchronised forward has broadcast its buffers (or had none to)."""

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from mini_ddp.errors import UNEVEN_FIX, MiniDDPError
+from mini_ddp.watch.stacks import EVAL_FIX
 
 logger = logging.getLogger("mini_ddp")
 
@@ -56,8 +57,6 @@ _COLLECTIVES = {"all_reduce", "broadcast", "barrier", "all_gather", "all_gather_
                 "monitored_barrier", "send", "recv"}
 ENDED_POLL_S = 0.5
 """How often a waiting rank reads its late peers' finish marks."""
-EVAL_FIX = ("to evaluate on one rank, call model.module(x) under torch.no_grad() (the wrapper's "
-            "forward is a collective step: every rank must run it); or evaluate on every rank")
 
 
 class SyncMismatchError(MiniDDPError):

@@ -16,6 +16,17 @@ every :class:`~mini_ddp.engine.model.DataParallelModel` unless ``replica_check_e
   after wrapping). A difference names the tensors, the ranks and the likely mistake: weights
   loaded into ``model.module`` on one rank after wrapping, a rank left in ``eval()`` mode after
   evaluating, a parameter added after wrapping.
+* **An extra forward on one rank.** The record also carries how many forwards through the
+  wrapper outside a training step (under ``torch.no_grad()``, or inside ``no_sync()``)
+  broadcast the buffers on this rank. torch DDP broadcasts them in such a forward too (its
+  ``require_forward_param_sync`` is still set from the training forward before), and then,
+  its ``_post_forward`` having cleared that flag, skips the broadcast of the next training
+  forward: an evaluation on one rank pairs its broadcast with the other ranks' next one, in
+  silence when the sizes agree, and fails or hangs when they run another collective next.
+  Counts that differ name the rank that ran the extra forward (the debug switch's
+  fingerprints name it before the broadcast; this names it at the next record, for the cost
+  of one test per forward). A forward that broadcasts nothing (no buffers, or
+  ``broadcast_buffers=False``) runs no collective and is not counted.
 
 Neither runs a collective (one on the model's group could pair with another rank's and hang a
 job that is already out of step): the ranks post their hashes on a
@@ -56,6 +67,7 @@ import torch.distributed as dist
 
 from mini_ddp.engine.hook_groups import passive_hook
 from mini_ddp.errors import MiniDDPError
+from mini_ddp.watch.stacks import EVAL_FIX
 
 logger = logging.getLogger("mini_ddp")
 
@@ -126,6 +138,9 @@ class ReplicaCheck:
         self._pending: dict[str, int] = {}  # board key -> forwards waited for it
         self._told: set[str] = set()  # kinds of difference already warned about
         self._posted: list[str] = []  # this rank's records still up
+        # Forwards outside a training step that broadcast the buffers (a collective): every
+        # rank must run as many (see the module docstring).
+        self.off_step_broadcasts = 0
         reducer = model.reducer
         for index, param in enumerate(reducer.params):
             self._grad_hooks.append(param.register_hook(passive_hook(  # read-only
@@ -211,7 +226,7 @@ class ReplicaCheck:
                   "hashes": [bits_hash(t) for _, t in tensors],
                   "eval": [n or type(module).__name__ for n, m in module.named_modules()
                            if not m.training],
-                  "unsynced": unsynced}
+                  "unsynced": unsynced, "off_step_broadcasts": self.off_step_broadcasts}
         key = f"replicas/{step}"
         self.board.post(key, record)
         if len(self._posted) == 2:  # every peer has compared the one before the last: a rank
@@ -240,8 +255,26 @@ class ReplicaCheck:
             else:
                 self._compare_replicas(records)
 
+    def broadcast_off_step(self) -> None:
+        """A forward outside a training step is about to broadcast the buffers."""
+        self.off_step_broadcasts += 1
+
     def _compare_replicas(self, records: dict[int, Any]) -> None:
         step = records[self.board.rank]["step"]
+        counts = {r: rec["off_step_broadcasts"] for r, rec in records.items()}
+        if len(set(counts.values())) > 1:
+            extra = [r for r in sorted(counts) if counts[r] > min(counts.values())]
+            who = f"ranks {extra}" if len(extra) > 1 else f"rank {extra[0]}"
+            shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(counts.items()))
+            self._tell("extra_forward", (
+                f"an extra forward through the wrapper on {who}: by step {step}, the ranks "
+                "ran different numbers of forwards outside a training step (under "
+                f"torch.no_grad(), or inside no_sync()) that broadcast the buffers ({shown}). "
+                "Like torch DDP, such a forward broadcasts the buffers, and that rank's next "
+                "training forward then skips its own broadcast: the extra broadcast met the "
+                "other ranks' next one — silently, when the sizes agree — and it fails or "
+                "hangs when they run another collective next (the bucket rebuild at step 2, "
+                f"a barrier, the end of training). Fix: {EVAL_FIX}. See docs/debugging.md."))
         modes = {r: sorted(rec["eval"]) for r, rec in records.items()}
         if len({repr(m) for m in modes.values()}) > 1:
             odd, agree = odd_ranks(modes)

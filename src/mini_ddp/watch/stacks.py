@@ -52,6 +52,12 @@ STOP_S = 0.5
 model goes): a frozen store must not hold up either."""
 MAX_FRAMES = 14
 """Innermost frames kept per thread (the outer ones are the launcher's and the harness's)."""
+EVAL_FIX = ("to evaluate on one rank, call model.module(x) under torch.no_grad() (the wrapper's "
+            "forward is a collective step: every rank must run it); or evaluate on every rank")
+"""The fix for an extra forward through the wrapper on one rank, in every message that names one."""
+# The buffer broadcast of a forward through the wrapper: DataParallelModel's, torch DDP's.
+_BROADCASTS = {("sync_buffers", str(Path("mini_ddp", "engine", "model.py"))),
+               ("_sync_buffers", str(Path("torch", "nn", "parallel", "distributed.py")))}
 _POLL_S = 0.05
 _WAIT = datetime.timedelta(hours=12)  # the responder's store.wait: re-armed when it expires
 _ENGINE_DIR = str(Path(__file__).resolve().parent)
@@ -318,6 +324,40 @@ def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,
     for rank in ranks:
         found.setdefault(rank, {"answered": False, "waited_s": answer_s})
     return found
+
+
+def in_buffer_broadcast(answer: dict[str, Any]) -> str | None:
+    """The user's line (``file:line in function``) when a rank's answer shows its main thread
+    inside the buffer broadcast of a forward through the wrapper (None: it is not)."""
+    if not answer.get("answered"):
+        return None
+    for thread in answer["stacks"]:
+        if thread["main"] and any(function == name and filename.endswith(tail)
+                                  for filename, _line, function, _src in thread["frames"]
+                                  for name, tail in _BROADCASTS):
+            name, _, place = thread["where"].removesuffix(")").partition(" (")
+            return f"{Path(place).name} in {name}" if place else "?"
+    return None
+
+
+def extra_forward(rank: int, answer: dict[str, Any], waiting: int, step: int) -> str | None:
+    """The verdict when late ``rank`` (its stack ``answer``) is inside a forward's buffer
+    broadcast while rank ``waiting`` waits for a bucket of step ``step``'s backward (None: it
+    is not).
+
+    That broadcast can never pair: the waiting rank is past its forward, and a rank cannot
+    start its next forward before the buckets both wait for are done. So ``rank`` ran a
+    forward through the wrapper that the waiting rank did not run, with no backward for it —
+    a forward whose output is dropped, an evaluation or logging forward on one rank."""
+    where = in_buffer_broadcast(answer)
+    if where is None:
+        return None
+    return (f"  rank {rank} is inside the buffer broadcast of a forward through the wrapper "
+            f"(called at {where}), while rank {waiting} waits in the backward of step {step}: "
+            f"an extra forward through the wrapper on rank {rank} — a forward rank {waiting} "
+            f"did not run, with no backward for it (an output dropped, an evaluation or "
+            f"logging forward on one rank); the two collectives never pair. Fix: {EVAL_FIX}. "
+            "See docs/debugging.md.")
 
 
 def describe_answer(rank: int, answer: dict[str, Any]) -> str:

@@ -91,6 +91,7 @@ from mini_ddp.watch.stacks import (
     StackResponder,
     ask_stacks,
     describe_answer,
+    extra_forward,
     start_responder,
 )
 
@@ -141,10 +142,8 @@ class StallReport:
         if self.missing_params:
             lines.append(f"  rank {self.rank}: no gradient for {', '.join(self.missing_params)};"
                          f" buckets never launched: {self.pending_buckets}")
-        for rank, why in sorted(self.culprits.items()):
-            lines.append(f"  rank {rank}: {why}")
-            if rank in self.stacks:
-                lines.append(describe_answer(rank, self.stacks[rank]))
+        late, named = self.late_lines()
+        lines += late
         reached = [r for r in range(self.world_size) if r not in self.culprits and r != self.rank]
         if reached and self.waiting_for is not None:
             lines.append(f"  ranks that reached bucket {self.waiting_for}: {reached}")
@@ -152,11 +151,27 @@ class StallReport:
             lines.append("  A parameter with no gradient on some rank means its branch was "
                          "skipped or its output left out of the loss there: use it on every "
                          "rank, or pass find_unused_parameters=True.")
-        elif self.culprits:
+        elif self.culprits and not named:
             lines.append("  A rank that has not reached the bucket is still computing or is "
                          "stuck before it (data loading, a rank-dependent branch, a deadlock "
                          "in user code); this rank keeps waiting for it.")
         return "\n".join(lines)
+
+    def late_lines(self) -> tuple[list[str], bool]:
+        """Each late rank's line, its stack, and what the stack proves (a late rank inside a
+        forward's buffer broadcast while this rank waits for a bucket ran an extra forward:
+        :func:`~mini_ddp.watch.stacks.extra_forward`); and whether a cause was named."""
+        lines, named = [], False
+        for rank, why in sorted(self.culprits.items()):
+            lines.append(f"  rank {rank}: {why}")
+            if rank in self.stacks:
+                lines.append(describe_answer(rank, self.stacks[rank]))
+                verdict = None if self.waiting_for is None or self.error else \
+                    extra_forward(rank, self.stacks[rank], self.rank, self.step)
+                if verdict:
+                    lines.append(verdict)
+                    named = True
+        return lines, named
 
 
 def holds_up(mark: dict | None, step: int, bucket: int | None) -> str | None:
@@ -447,12 +462,8 @@ class StallMonitor:
             logger.exception("mini_ddp: rank %d could not find the late ranks of its timeout",
                              now["rank"])
             return "", {}
-        lines = ["  Ranks that had not reached it when this rank gave up:"]
-        for rank, why in sorted(report.culprits.items()):
-            lines.append(f"  rank {rank}: {why}")
-            if rank in report.stacks:
-                lines.append(describe_answer(rank, report.stacks[rank]))
-        text = "\n".join(lines)
+        text = "\n".join(["  Ranks that had not reached it when this rank gave up:",
+                          *report.late_lines()[0]])
         return text, {"report": text, "peers": {str(rank): answer
                                                for rank, answer in report.stacks.items()}}
 
