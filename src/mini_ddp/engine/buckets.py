@@ -116,7 +116,7 @@ def assign_buckets(
             continue
         key = (tensor.dtype, tensor.device)
         open_buckets.setdefault(key, []).append(index)
-        open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
+        open_bytes[key] = open_bytes.get(key, 0) + tensor.nbytes
         pos = limit_pos.setdefault(key, 0)
         if open_bytes[key] >= size_limits[pos]:
             result.append(open_buckets.pop(key))

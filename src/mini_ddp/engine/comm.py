@@ -181,10 +181,14 @@ def _coalesce_groups(tensors: Sequence[torch.Tensor], bucket_bytes: int
     current_bytes: dict[tuple, int] = {}
     for t in tensors:
         key = (t.dtype, t.device)
-        current.setdefault(key, []).append(t.detach())
-        current_bytes[key] = current_bytes.get(key, 0) + t.numel() * t.element_size()
+        group = current.get(key)
+        if group is None:
+            current[key] = group = []
+            current_bytes[key] = 0
+        group.append(t)
+        current_bytes[key] += t.nbytes
         if current_bytes[key] >= bucket_bytes:
             groups.append(current.pop(key))
-            current_bytes[key] = 0
-    groups.extend(g for g in current.values() if g)
+            del current_bytes[key]
+    groups.extend(current.values())
     return groups
