@@ -387,8 +387,8 @@ class PeerSync:
         return None
 
     def _let_peer_exit(self, peer: int) -> None:
-        """``peer`` closed its end while its process still runs: most often its model was
-        dropped as its script ends. Give that process up to :data:`_PEER_EXIT_S` to end, so that
+        """``peer`` closed its end while its process still runs: most often its script is
+        ending (its process group destroyed, the channel with it). Give that process up to :data:`_PEER_EXIT_S` to end, so that
         the finish mark it leaves at exit ("finished", not "died") is in the store when this
         rank's error reads it; a killed peer is gone already and costs nothing here."""
         deadline = time.monotonic() + _PEER_EXIT_S
