@@ -86,8 +86,11 @@ def test_many_small_regime_reports_per_gradient_cost_and_start_up(tmp_path):
         for key in ("construct_ms", "first_step_ms", "second_step_ms"):
             assert set(startup[key]) == engines and all(v > 0 for v in startup[key].values())
         assert startup["over_ddp"]["construct"]["torch_ddp"] == 1.0
+    first, later = report["results"]  # each DDP's first wrap is timed in the first job only
+    assert set(first["first_wrap_ms"]) == {"torch_ddp", "mini_ddp"}
+    assert all(v > 0 for v in first["first_wrap_ms"].values()) and "first_wrap_ms" not in later
     text = bench.format_report(report)
-    assert "per gradient" in text and "start-up" in text
+    assert "per gradient" in text and "start-up" in text and "first wrap" in text
 
 
 def test_summarize_startup_takes_the_slowest_rank_and_pairs_rounds():

@@ -37,6 +37,7 @@ from mini_ddp.transport.shm import (
     ShmError,
     shm_supported,
 )
+from mini_ddp.transport.shm_sum import ring_chunk
 
 DTYPES = (torch.float32, torch.float64)
 STEPS = 3  # the same buffers reduced again, with new data, step after step
@@ -361,3 +362,119 @@ def test_renew_keeps_old_buffer_and_stays_bitwise(world_size: int) -> None:
         assert all(result["verdicts"]), (rank, result["verdicts"])
         assert result["intact"] and result["kept"] == (3, 2, 0)[rank], (rank, result)
     assert glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{results[0]['token']}*")) == []
+
+
+def _rss_kib(token: str) -> int:
+    """Resident KiB of this process's mappings of the transport ``token``'s segments."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                inside = f"{FILE_PREFIX}{token}_" in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def _threads(prefix: str) -> int:
+    import threading
+
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def _channel_reuse(ctx) -> dict:
+    """Transports on one group share its channel: no vote, one worker thread, their own
+    tokens and slots; a rank that names no channel makes every rank open a fresh one."""
+    out: dict = {}
+    calls: dict[str, int] = {}
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real[name](*args, **kwargs)
+        return call
+
+    first = SharedMemoryAllreduce.create()
+    with mock.patch.object(dist, "all_reduce", counting("all_reduce")), \
+            mock.patch.object(dist, "all_gather", counting("all_gather")):
+        second = SharedMemoryAllreduce.create()
+    out["reuse_collectives"] = dict(calls)
+    out["tokens_differ"] = first.token != second.token
+    # Allocation is one exchange and maps nothing of the peers; nothing is populated.
+    numel = (4 << 20) // 4
+    a, b = first.allocate(numel, torch.float32), second.allocate(1000, torch.float32)
+    out["maps_after_allocate"] = _token_maps(first.token)
+    out["rss_after_allocate_kib"] = _rss_kib(first.token)
+    a.fill_(ctx.rank + 1)
+    b.fill_(ctx.rank + 1)
+    futs = [first.all_reduce(a), second.all_reduce(b)]
+    for fut in futs:
+        fut.wait()
+    world = ctx.world_size
+    out["sums"] = [a[:2].tolist(), b[:2].tolist()]
+    out["maps_after_reduce"] = _token_maps(first.token)
+    # This rank touched its whole buffer and only its chunk of each peer's.
+    out["rss_after_reduce_kib"] = _rss_kib(first.token)
+    out["buffer_kib"] = numel * 4 // 1024
+    lo, hi = ring_chunk(numel, 4, world, ctx.rank)
+    out["chunk_kib"] = (hi - lo) * 4 // 1024
+    out["worker_threads"] = _threads("mini_ddp-shm-")
+    # Both ranks reduce one buffer of each transport, in different orders: named, not summed.
+    fut = (first.all_reduce(a) if ctx.rank == 0 else second.all_reduce(b))
+    out["cross_desync"] = _outcome(fut.wait)[:2]
+    other = second.all_reduce(b) if ctx.rank == 0 else first.all_reduce(a)
+    out["after_desync"] = _outcome(other.wait)[:2]
+    # The failed channel is not offered again: the next transport opens a fresh one (votes).
+    calls.clear()
+    with mock.patch.object(dist, "all_reduce", counting("all_reduce")):
+        third = SharedMemoryAllreduce.create()
+    out["fresh_after_failure_votes"] = calls.get("all_reduce", 0)
+    # A rank that names no channel (as if its own had gone): every rank opens a fresh one,
+    # and the channel it replaces is closed on every rank.
+    real_offer = SharedMemoryAllreduce.offer
+
+    def forgetful(group=None):
+        offer = real_offer(group)
+        offer.fields[-1] = 0
+        return offer
+
+    calls.clear()
+    with mock.patch.object(dist, "all_reduce", counting("all_reduce")), \
+            mock.patch.object(SharedMemoryAllreduce, "offer",
+                              forgetful if ctx.rank == world - 1 else real_offer):
+        fourth = SharedMemoryAllreduce.create()
+    out["fresh_when_one_forgets_votes"] = calls.get("all_reduce", 0)
+    out["replaced_is_closed"] = _outcome(lambda: third.allocate(3, torch.float32))[:2]
+    c = fourth.allocate(7, torch.float64)
+    c.fill_(1.0)
+    fourth.all_reduce(c).wait()
+    out["fourth_sum"] = c[0].item()
+    out["worker_threads_end"] = _threads("mini_ddp-shm-")
+    for t in (first, second, third, fourth):
+        t.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_transports_of_one_group_share_its_channel(world_size: int) -> None:
+    for rank, out in enumerate(run_ranks(_channel_reuse, world_size, timeout_s=120)):
+        assert out["reuse_collectives"] == {"all_gather": 1}, out  # the offers; no vote
+        assert out["tokens_differ"]
+        assert out["maps_after_allocate"] == 1 and out["rss_after_allocate_kib"] == 0, out
+        assert out["sums"] == [[world_size * (world_size + 1) / 2] * 2] * 2, out
+        assert out["maps_after_reduce"] == world_size, out
+        # Own buffer whole, of each peer's only the chunk this rank sums (plus the kernel's
+        # fault-around, 64 KiB by default, and a page each side), never a peer's whole buffer.
+        assert out["rss_after_reduce_kib"] <= out["buffer_kib"] + (world_size - 1) * (
+            out["chunk_kib"] + 64 + 8), out
+        assert out["worker_threads"] == 1, out
+        kind, message = out["cross_desync"]
+        assert kind == ShmDesyncError.__name__ and "of the transport" in message, message
+        assert out["after_desync"][0] == ShmError.__name__, out
+        assert out["fresh_after_failure_votes"] == 2, out
+        assert out["fresh_when_one_forgets_votes"] == 2, out
+        kind, message = out["replaced_is_closed"]
+        assert kind == ShmError.__name__ and "closed" in message, (rank, message)
+        assert out["fourth_sum"] == world_size
+        assert out["worker_threads_end"] == 1, out  # the replaced channels' threads ended

@@ -116,7 +116,7 @@ def assign_buckets(
             continue
         key = (tensor.dtype, tensor.device)
         open_buckets.setdefault(key, []).append(index)
-        open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
+        open_bytes[key] = open_bytes.get(key, 0) + tensor.nbytes
         pos = limit_pos.setdefault(key, 0)
         if open_bytes[key] >= size_limits[pos]:
             result.append(open_buckets.pop(key))
@@ -194,7 +194,7 @@ def _view_like(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.
     gets a channels-last gradient, as AccumulateGrad would have made); anything else gets a
     contiguous view.
     """
-    if _is_non_overlapping_and_dense(param):
+    if param.is_contiguous() or _is_non_overlapping_and_dense(param):
         return buffer.as_strided(param.size(), param.stride(), offset)
     return flat_view(buffer, param, offset)
 
@@ -522,12 +522,19 @@ def produces_sparse_gradient(module: nn.Module) -> bool:
     return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
 
 
-def expect_sparse_gradients(module: nn.Module, params: Sequence[torch.Tensor]) -> list[bool]:
-    """For each of the reducer's ``params``: does its (first) owning module make sparse grads?"""
+def expect_sparse_gradients(owned: Sequence[tuple[nn.Module, Sequence[torch.Tensor]]],
+                            params: Sequence[torch.Tensor]) -> list[bool]:
+    """For each of the reducer's ``params``: does its (first) owning module make sparse grads?
+
+    ``owned``: every module of the model (in ``modules()`` order) with its own parameters.
+    """
+    sparse = [produces_sparse_gradient(sub) for sub, _ in owned]
+    if not any(sparse):
+        return [False] * len(params)
     owner: dict[int, bool] = {}
-    for sub in module.modules():
-        for param in sub.parameters(recurse=False):
-            owner.setdefault(id(param), produces_sparse_gradient(sub))
+    for makes_sparse, (_, own) in zip(sparse, owned, strict=True):
+        for param in own:
+            owner.setdefault(id(param), makes_sparse)
     return [owner.get(id(p), False) for p in params]
 
 

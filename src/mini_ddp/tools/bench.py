@@ -18,6 +18,7 @@ Usage: ``python -m mini_ddp bench --json bench.json --plot docs/img/bench_sweep.
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import logging
 import os
@@ -25,9 +26,11 @@ import platform
 import resource
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mini_ddp.engine.config import MIB
 from mini_ddp.tools.bench_models import (
@@ -39,6 +42,7 @@ from mini_ddp.tools.bench_models import (
     build_engine,
     memory_report,
     time_startup,
+    wrap_engine,
 )
 from mini_ddp.tools.report import emit_report, time_blocks
 from mini_ddp.training.models import ZOO
@@ -69,6 +73,10 @@ def steady_malloc() -> bool:
 
 
 _PEAKS = ("peak_rss_growth_MiB", "peak_pss_growth_MiB")  # lowest of rounds, highest of ranks
+FIRST_WRAP = ("torch_ddp", "mini_ddp")
+"""Engines whose first construction in a rank's process is timed on its own (one sample per
+world size: what a script that wraps one model pays; mini_ddp's includes opening the group's
+shared-memory channel, which later models on the group reuse)."""
 
 
 def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]], malloc: str
@@ -86,12 +94,23 @@ def _bench_rank(ctx: RankContext, jobs: list[dict[str, Any]], malloc: str
         if job["compiled"] and isinstance(base, torch.nn.Sequential):
             logger.warning("bench: %s is an nn.Sequential, which torch.compile of a DDP leaves "
                            "eager: its compiled rows time eager engines", job["model"])
-        engines = {n: build_engine(n, base, job["cap"], job["gabv"], spec.loss,
-                                   job["compile_backend"])
-                   for n in job["engines"] + job["compiled"]}
+        first_wrap: dict[str, float] = {}
+        engines = {}
+        for n in job["engines"] + job["compiled"]:
+            if not results and n in FIRST_WRAP:  # each DDP's first model in this process
+                module = copy.deepcopy(base)
+                dist.barrier()
+                started = time.perf_counter()
+                engines[n] = wrap_engine(n, module, job["cap"], job["gabv"], spec.loss)
+                first_wrap[n] = time.perf_counter() - started
+            else:
+                engines[n] = build_engine(n, base, job["cap"], job["gabv"], spec.loss,
+                                          job["compile_backend"])
         result: dict[str, Any] = {"blocks": time_blocks(engines, batches, job["steps"],
                                                         job["blocks"], job["warmup"]),
                                   "num_grads": sum(p.requires_grad for p in base.parameters())}
+        if first_wrap:
+            result["first_wrap"] = first_wrap
         del engines
         if job.get("startup_rounds"):
             result["startup"] = time_startup(base, batches, job["engines"], job["cap"],
@@ -221,6 +240,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                    "maxrss_MiB": [r[j]["maxrss_MiB"] for r in per_rank]}
             if "startup" in per_rank[0][j]:
                 row["startup"] = summarize_startup([r[j]["startup"] for r in per_rank])
+            if "first_wrap" in per_rank[0][j]:  # the slowest rank's, in ms
+                row["first_wrap_ms"] = {e: max(r[j]["first_wrap"][e] for r in per_rank) * 1e3
+                                        for e in per_rank[0][j]["first_wrap"]}
             if job["memory"]:  # tensors: rank 0's (ranks are alike); RSS: the highest rank
                 mems = [r[j]["memory"] for r in per_rank]
                 row["memory"] = {e: {**v, **{key: max(
@@ -308,12 +330,22 @@ def _per_grad_lines(results: list[dict[str, Any]]) -> list[str]:
 
 
 def _startup_lines(results: list[dict[str, Any]]) -> list[str]:
-    """The start-up table: wrapping a fresh copy, its first and second step, per engine."""
+    """The start-up table: wrapping a fresh copy, its first and second step, per engine; and
+    each DDP's first wrap in the process."""
+    lines = []
+    firsts = [r for r in results if "first_wrap_ms" in r]
+    if firsts:
+        lines.append("# first wrap in each rank's process (one sample, slowest rank; mini_ddp's "
+                     "opens the group's shared-memory channel): model, ws, ms per engine")
+        for r in firsts:
+            cells = "  ".join(f"{e} {ms:8.1f}" for e, ms in r["first_wrap_ms"].items())
+            lines.append(f"  {r['model']:<18}{r['world_size']:>3} {cells}")
     rows = [r for r in results if "startup" in r]
     if not rows:
-        return []
-    lines = ["# start-up (median of rounds, slowest rank): model, ws, engine, construct ms, "
-             "first step ms, second step ms, each /ddp (paired; lowest-highest round)"]
+        return lines
+    lines += ["# start-up (median of rounds, slowest rank; later models, the channel reused): "
+              "model, ws, engine, construct ms, first step ms, second step ms, each /ddp "
+              "(paired; lowest-highest round)"]
     for r in rows:
         st = r["startup"]
         for e in st["construct_ms"]:

@@ -23,16 +23,31 @@ NaN on several ranks at the same position: which payload survives depends on the
 order within one addition. ``tests/test_shm.py`` compares the raw bits with Gloo's result at
 two and three ranks.
 
-The work runs in call order on a :class:`~mini_ddp.transport.serial_worker.SerialWorker`, so
-the caller (an autograd hook) never blocks: :meth:`SharedMemoryAllreduce.all_reduce` returns a
-future like ``dist.all_reduce(..., async_op=True).get_future()``. Only that thread uses the
-sockets, so its syncs never interleave with the main thread's collectives. A dead peer closes
+**One channel per process and group.** The sockets, their checks and the worker thread are a
+*channel*, made once per process and process group and kept while the group lives (like the
+group's own Gloo connections); every transport on that group — one per model — is a view of it
+with its own buffers and slot numbers. A transport asks to reuse the channel in its start-up
+exchange (each rank names the channel it holds); it is reused only when every rank of the
+group names the same one, so all ranks agree without a vote, and the votes that made the
+channel stand for it. Otherwise (the first model on a group, or a channel that failed on some
+rank) a fresh channel is made, with its votes, and replaces the old one. The transports of one
+channel run in call order on it: the ranks must use them in the same order, as they must the
+group's collectives; the ready check names the transport too, so a mix-up is a
+:class:`ShmDesyncError`, never a wrong sum.
+
+The work runs in call order on the channel's
+:class:`~mini_ddp.transport.serial_worker.SerialWorker`, so the caller (an autograd hook) never
+blocks: :meth:`SharedMemoryAllreduce.all_reduce` returns a future like
+``dist.all_reduce(..., async_op=True).get_future()``. An allocation runs on the caller's thread
+when the worker is idle (no thread switch each way), after the queued work otherwise. Only one
+thread at a time uses the sockets, so the syncs never interleave with each other or with the
+main thread's collectives. A dead peer closes
 its end, so the next sync fails at once (a hung peer at the group's timeout): a
-:class:`~mini_ddp.errors.CollectiveError` on the future, and every later call fails at once.
-The segments are anonymous memory files (``memfd``), never
+:class:`~mini_ddp.errors.CollectiveError` on the future, and every later call on the channel
+fails at once. The segments are anonymous memory files (``memfd``), never
 named in ``/dev/shm`` or anywhere else: a peer maps one through the creator's open descriptor
-(``/proc/<pid>/fd``), which is closed as soon as every peer has mapped it, and the memory goes
-with the last mapping. So no file outlives the processes, whatever kills them and whenever —
+(``/proc/<pid>/fd``), announced at the slot's first all-reduce and closed as soon as every
+peer has mapped it, and the memory goes with the last mapping. So no file outlives the processes, whatever kills them and whenever —
 creation, mapping, renewal or use, under any launcher. A child forked from a rank (a
 ``DataLoader`` worker) disowns the transport at once: it closes its copies of the sockets and
 never uses or closes the parent's connections, buffers or thread.
@@ -44,7 +59,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,14 +77,15 @@ from mini_ddp.transport.shm_slots import SlotTable
 from mini_ddp.transport.shm_sum import ring_chunk, shm_supported, sum_chunk
 from mini_ddp.transport.shm_sync import (
     ALL_REDUCE,
-    ALLOCATE,
     NO_OFFER,
     ChannelOffer,
     PeerSync,
     ShmDesyncError,
     channel_offer,
-    open_channel,
-    open_offer,
+    exchange_offers,
+    holds_the_same_channel,
+    offered_token,
+    token_of,
 )
 
 __all__ = [
@@ -86,11 +101,102 @@ __all__ = [
 ]
 
 _RELEASE_WAIT_S = 0.5
-"""How long :meth:`SharedMemoryAllreduce.close` without ``wait`` gives queued work to finish
-before it leaves the socket to the process's end."""
+"""How long closing a channel without ``wait`` gives queued work to finish before it leaves
+the sockets to the process's end."""
 
 
+class _Channel:
+    """One process's sockets to its peers on one group, their worker thread, and its health.
+
+    Made by :meth:`SharedMemoryAllreduce.from_offer` after the votes; shared by every
+    transport on the group (:data:`_CHANNELS`) until the group goes, the channel fails, or a
+    fresh one replaces it.
+    """
+
+    def __init__(self, sync: PeerSync, rank: int, token: str, peer_pids: dict[int, int]):
+        self.sync, self.rank, self.token, self.peer_pids = sync, rank, token, peer_pids
+        self.number = int(token, 16)  # as offers carry it
+        self.world_size = len(peer_pids) + 1
+        self.closed = False
+        self.lock = threading.Lock()  # guards closed against concurrent submit/close
+        # An allocation failure is agreed on all ranks and leaves the channel usable; any
+        # other failure leaves the ranks out of step, so later calls fail at once.
+        self.worker = SerialWorker(
+            f"mini_ddp-shm-{token}",
+            keeps_working=lambda err: isinstance(err, ShmAllocationError),
+            failed_error=lambda err: ShmError(
+                f"mini_ddp: rank {rank}: the shared-memory all-reduce transport failed "
+                f"earlier and cannot be used: {err}"))
+        self.pid = os.getpid()  # the rank's process; a forked child disowns the channel
+
+    def usable(self) -> bool:
+        """Open, in the process that made it, and not failed: what a new transport may reuse."""
+        return not self.closed and os.getpid() == self.pid and not self.worker.failed
+
+    def close(self, wait: bool = True) -> None:
+        """Finish the queued work, stop the worker, close the sockets (idempotent); the
+        peers' next sync on the channel then fails at once. ``wait=False`` (finalizers) does
+        not join the worker and gives queued work :data:`_RELEASE_WAIT_S` to finish before it
+        closes the sockets (otherwise they go with the process)."""
+        if os.getpid() != self.pid:
+            self.disown()
+            return
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            drained = self.worker.soon(lambda: None, always=True)  # once the queued work is
+        self.worker.stop(wait)  # not under the lock: a queued job's end takes it
+        # Closed here, on the caller's thread, once the worker is done with them — not while
+        # the worker may still be blocked in one (then they go with the process).
+        deadline = time.monotonic() + _RELEASE_WAIT_S
+        while not drained.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if drained.done():
+            self.sync.release()
+
+    def disown(self) -> None:
+        """In a child forked from the rank: close this process's copies of the sockets (the
+        parent's connections stay as they are). Local; the worker thread is the parent's."""
+        if os.getpid() == self.pid:
+            return
+        self.closed = True  # no lock: a forked child runs only this thread
+        self.sync.release()
+
+
+# Each group's channel in this process, while the group lives (weak keys: a destroyed group
+# takes its entry, and its finalizer closes the channel).
+_CHANNELS: weakref.WeakKeyDictionary[Any, _Channel] = weakref.WeakKeyDictionary()
+_CHANNELS_LOCK = threading.Lock()
 _LIVE: weakref.WeakSet[SharedMemoryAllreduce] = weakref.WeakSet()
+
+
+def _live_channel(group: dist.ProcessGroup) -> _Channel | None:
+    with _CHANNELS_LOCK:
+        channel = _CHANNELS.get(group)
+    return channel if channel is not None and channel.usable() else None
+
+
+def _keep_channel(group: dist.ProcessGroup, channel: _Channel) -> None:
+    """``channel`` is ``group``'s from now on; the one it replaces (if any) is closed."""
+    try:
+        with _CHANNELS_LOCK:
+            old = _CHANNELS.get(group)
+            _CHANNELS[group] = channel
+    except TypeError:  # a group that cannot be weakly referenced: the channel is not shared
+        old = None
+    else:
+        weakref.finalize(group, channel.close, wait=False)
+    if old is not None and old is not channel:
+        old.close(wait=False)
+
+
+def _drop_channel(group: dist.ProcessGroup) -> None:
+    """Close ``group``'s channel: not every rank of the group can use it any more."""
+    with _CHANNELS_LOCK:
+        old = _CHANNELS.pop(group, None)
+    if old is not None:
+        old.close(wait=False)
 
 
 def _after_fork_in_child() -> None:
@@ -98,6 +204,9 @@ def _after_fork_in_child() -> None:
     # and is no rank of the transport: it must never talk on the parent's sockets, and its
     # copies of them must not keep the parent's connections open after the parent is gone
     # (the peers would then wait for the group's timeout instead of failing at once).
+    for channel in list(_CHANNELS.values()):
+        channel.disown()
+    _CHANNELS.clear()
     for transport in list(_LIVE):
         transport.disown()
 
@@ -111,29 +220,26 @@ class SharedMemoryAllreduce:
     Make one with :meth:`create` (a collective that returns None unless the job is Gloo ranks
     sharing ``/dev/shm``), get buffers from :meth:`allocate` and sum them with
     :meth:`all_reduce`; results are bitwise equal to ``dist.all_reduce`` over Gloo. All ranks
-    must make the same calls in the same order. :meth:`close` it when done.
+    must make the same calls in the same order. :meth:`close` it when done: that frees its
+    buffers; the group's channel (sockets and worker thread) stays for the next transport on
+    the group, and closes when the group is destroyed.
 
     ``token`` is the random part of this transport's segment labels (``FILE_PREFIX + token``,
-    seen in ``/proc/<pid>/maps``). The constructor is internal: use :meth:`create`.
+    seen in ``/proc/<pid>/maps``), drawn afresh for every transport, also when it reuses the
+    group's channel. The constructor is internal: use :meth:`create`.
     """
 
-    def __init__(self, channel: PeerSync, rank: int, token: str, peer_pids: dict[int, int]):
-        self.rank = rank
-        self.world_size = len(peer_pids) + 1
+    def __init__(self, channel: _Channel, token: str):
+        self.rank = channel.rank
+        self.world_size = channel.world_size
         self.token = token
-        self._sync = channel
+        self._number = int(token, 16)  # names this transport in its ready checks
+        self._channel = channel
+        self._sync = channel.sync
+        self._worker = channel.worker
         self._next_slot = 0
         self._table = SlotTable()  # buffers, peer mappings, generations (shm_slots)
         self._closed = False
-        self._lock = threading.Lock()  # guards _closed against concurrent submit/close
-        # An allocation failure is agreed on all ranks and leaves the transport usable;
-        # any other failure leaves the ranks out of step, so later calls fail at once.
-        self._worker = SerialWorker(
-            f"mini_ddp-shm-{token}",
-            keeps_working=lambda err: isinstance(err, ShmAllocationError),
-            failed_error=lambda err: ShmError(
-                f"mini_ddp: rank {rank}: the shared-memory all-reduce transport failed "
-                f"earlier and cannot be used: {err}"))
         self.pid = os.getpid()  # the rank's process; a forked child disowns the transport
         _LIVE.add(self)
 
@@ -144,19 +250,23 @@ class SharedMemoryAllreduce:
         when it cannot work.
 
         Collective on ``group``: every rank of it must call it, and all get the same answer
-        (:func:`~mini_ddp.transport.shm_sync.open_channel` says when a transport works); ranks
+        (:meth:`~mini_ddp.transport.shm_sync.ChannelOffer.open` says when a transport works); ranks
         outside the group take no part. Its ranks are the group's ranks.
         """
-        opened = open_channel(group)
-        return None if opened is None else cls(*opened)
+        return cls.from_offer(cls.offer(group), None)
 
     @staticmethod
     def offer(group: dist.ProcessGroup | None = None) -> ChannelOffer | None:
         """This rank's half of a transport on ``group``, for a caller that carries
         :attr:`ChannelOffer.fields` (or :data:`NO_OFFER` where it has none) in an all-gather
         of its own, then calls :meth:`from_offer`. Local; None on every rank of the group when
-        no transport can work there."""
-        return channel_offer(group)
+        no transport can work there. The offer names the group's channel this process holds
+        (if any), for the ranks to reuse."""
+        offer = channel_offer(group)
+        if offer is not None:
+            offer.held = _live_channel(offer.group)
+            offer.fields[-1] = 0 if offer.held is None else offer.held.number
+        return offer
 
     @classmethod
     def from_offer(cls, offer: ChannelOffer | None, rows: list[list[int]] | None
@@ -164,9 +274,34 @@ class SharedMemoryAllreduce:
         """The transport of ``offer`` (from :meth:`offer`), given every group rank's offer
         fields ``rows`` (None: exchange them now, an all-gather on the offer's group); None on
         every rank when any rank had no offer or cannot join. Collective on the group, as
-        :meth:`create` (whose two votes it runs); the offer is closed in any case."""
-        opened = open_offer(offer, rows)
-        return None if opened is None else cls(*opened)
+        :meth:`create`: when every rank names the same live channel it is reused, without a
+        vote; otherwise a fresh channel is opened with its two votes. The offer is closed in
+        any case."""
+        if offer is None:
+            return None
+        try:
+            if rows is None:
+                rows = exchange_offers(offer.group, offer.fields)
+        except BaseException:
+            offer.close()
+            raise
+        if any(int(row[0]) == 0 for row in rows):  # a rank without an offer: none anywhere
+            offer.close()
+            return None
+        # Decided from the rows alone (the channel held when the offer was made), so that
+        # every rank decides alike.
+        live = offer.held
+        if live is not None and holds_the_same_channel(rows, live.number, live.peer_pids,
+                                                       live.rank):
+            offer.close()
+            return cls(live, token_of(offered_token(rows)))
+        opened = offer.open(rows)  # the two votes; closes the offer
+        if opened is None:
+            _drop_channel(offer.group)  # some rank cannot use it: no rank keeps it
+            return None
+        channel = _Channel(*opened)
+        _keep_channel(offer.group, channel)
+        return cls(channel, channel.token)
 
     # ----------------------------------------------------------------------------- public API
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -174,14 +309,16 @@ class SharedMemoryAllreduce:
 
         Collective on the transport's group: all ranks call it in the same order with the
         same arguments (otherwise :class:`ShmDesyncError` on all, and the transport is
-        unusable). It runs on the worker thread, after any queued all-reduces, and blocks
-        until done. The segment has no name anywhere (see the module docstring); the memory is
-        released when the caller drops the tensor after :meth:`free` (or :meth:`close`). Any
-        dtype is accepted, but :meth:`all_reduce` sums only float32 and float64
-        (:func:`shm_supported`). ``numel`` 0 gives an empty tensor without a segment.
+        unusable). It runs after any queued all-reduces of the group's channel — on the
+        caller's thread when none is queued — and blocks until done: one exchange with the
+        peers, who map the buffer at its first all-reduce. The segment has no name anywhere
+        (see the module docstring); the memory is released when the caller drops the tensor
+        after :meth:`free` (or :meth:`close`). Any dtype is accepted, but :meth:`all_reduce`
+        sums only float32 and float64 (:func:`shm_supported`). ``numel`` 0 gives an empty
+        tensor without a segment.
 
-        Raises :class:`ShmAllocationError` on all ranks when any cannot create or map a
-        segment (e.g. memory is exhausted); the transport stays usable.
+        Raises :class:`ShmAllocationError` on all ranks when any cannot create a segment
+        (e.g. memory is exhausted); the transport stays usable.
         """
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"allocate: numel must be an int >= 0, got {numel!r}")
@@ -190,13 +327,11 @@ class SharedMemoryAllreduce:
         if self._worker.on_worker_thread():
             raise RuntimeError("allocate: called from the transport's worker thread (a future "
                                "callback?); it would wait for itself")
-        with self._lock:
+        with self._channel.lock:
             self._check_open("allocate")
             slot = self._next_slot
             self._next_slot += 1
-        fut = self._submit(lambda: self._allocate(slot, numel, dtype))
-        own = fut.wait()[0]
-        return own
+        return self._worker.call(lambda: self._allocate(slot, numel, dtype))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Sum ``tensor`` with the other ranks' buffers of the same slot, asynchronously.
@@ -208,7 +343,7 @@ class SharedMemoryAllreduce:
         ``dist.all_reduce(..., async_op=True).get_future()``; no rank may write the buffer
         until it completes. Failures are set on the future: :class:`ShmDesyncError`, or
         :class:`~mini_ddp.errors.CollectiveError` when a peer died or hung; after either,
-        every later call fails at once.
+        every later call on the group's channel fails at once.
         """
         self._check_open("all_reduce")
         slot = self._table.slot_of(tensor, "all_reduce")
@@ -216,9 +351,9 @@ class SharedMemoryAllreduce:
             raise ValueError(f"all_reduce: the shared-memory transport sums float32 and float64 "
                              f"only, not {tensor.dtype}")
         own = tensor
-        with self._lock:
+        with self._channel.lock:
             self._check_open("all_reduce")
-            return self._submit(lambda: self._reduce(slot, own))
+            return self._worker.submit(lambda: self._reduce(slot, own))
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a live buffer of this transport (the object itself)."""
@@ -243,7 +378,7 @@ class SharedMemoryAllreduce:
         except OSError as err:
             raise ShmAllocationError(f"mini_ddp: rank {self.rank} could not create {name}: "
                                      f"{err}") from err
-        with self._lock:
+        with self._channel.lock:
             self._table.renewed(tensor, fresh.tensor, slot, gen, fresh.fd)
         return fresh.tensor
 
@@ -256,76 +391,72 @@ class SharedMemoryAllreduce:
         """
         slot = self._table.slot_of(tensor, "free")
         self._table.forget(tensor, slot)
-        with self._lock:
+        with self._channel.lock:
             self._table.drop_unmapped(slot)
 
     def close(self, wait: bool = True) -> None:
-        """Finish the queued work, stop the worker thread and drop every buffer. Idempotent.
+        """Drop every buffer of this transport once its queued work has run. Idempotent.
 
-        Later calls of :meth:`allocate` and :meth:`all_reduce` raise :class:`ShmError`.
-        ``wait=False`` does not wait for the worker (it may be stuck on a dead peer): for
-        finalizers, which must not block; it gives queued work half a second to finish before
-        it closes the sockets (otherwise they go with the process). In a child forked from
-        the rank it does nothing more than :meth:`disown` (the worker and the buffers are the
-        parent's; its lock may have been held by the parent's worker at the fork).
+        Later calls of :meth:`allocate` and :meth:`all_reduce` raise :class:`ShmError`. The
+        group's channel stays open for the group's other transports (and the next one);
+        ``wait`` waits for this transport's queued work (``wait=False``, for finalizers,
+        leaves it queued: the buffers go after it). In a child forked from the rank it does
+        nothing more than :meth:`disown` (the buffers are the parent's).
         """
         if os.getpid() != self.pid:
             self.disown()
             return
-        with self._lock:
+        with self._channel.lock:
             if self._closed:
                 return
             self._closed = True
-            drained = self._worker.submit(lambda: None)  # done once the queued work is
-            self._worker.stop(wait)
-        self._table.clear()
-        # The sockets are closed here, on the caller's thread, once the worker is done with it —
-        # not while the worker may still be blocked in it (then it goes with the process).
-        deadline = time.monotonic() + _RELEASE_WAIT_S
-        while not drained.done() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if drained.done():
-            self._sync.release()
+            if self._channel.closed:
+                done = None
+            else:  # after the queued reductions, which still read the table
+                done = self._worker.soon(self._table.clear, always=True)
+        if done is None:
+            self._table.clear()
+        elif wait and not self._worker.on_worker_thread():
+            done.wait()
 
     def disown(self) -> None:
-        """In a child forked from the rank: close this process's copies of the sockets (the
-        parent's connections stay as they are) and refuse every later call. Local; the worker
-        thread, the buffers and the peers are the parent's, and are left alone."""
+        """In a child forked from the rank: refuse every later call and close this process's
+        copies of the descriptors the peers have not mapped yet. Local; the channel, the
+        buffers and the peers are the parent's, and are left alone."""
         if os.getpid() == self.pid:
             return
         self._closed = True  # no lock: a forked child runs only this thread
-        self._sync.release()
+        self._channel.disown()
+        self._table.close_unmapped()
 
     # ----------------------------------------------------------------------------- internals
     def _check_open(self, what: str) -> None:
-        if self._closed:
+        if self._closed or self._channel.closed:
             raise ShmError(f"mini_ddp: rank {self.rank}: {what} on a closed shared-memory "
                            "all-reduce transport")
 
-    def _submit(self, job: Callable[[], Any]) -> torch.futures.Future:
-        return self._worker.submit(job)
-
-    def _allocate(self, slot: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        self._sync.ready(ALLOCATE, slot, numel, dtype, self._table.own_gen.get(slot, 0))
-        if numel == 0:
+    def _allocate(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        segment = self._sync.allocate(self.token, self._number, slot, numel, dtype)
+        if segment is None:  # numel 0: nothing to map
             own = torch.zeros(0, dtype=dtype)
-            peers = {peer: torch.zeros(0, dtype=dtype) for peer in self._sync.peers}
-        else:
-            own, peers = self._sync.map_all(self.token, slot, numel, dtype)
-        self._table.add(slot, own, peers)
-        return [own]
+            peers, fd = {peer: torch.zeros(0, dtype=dtype) for peer in self._sync.peers}, None
+        else:  # its descriptor is kept for the peers until the slot's first all-reduce
+            own, peers, fd = segment.tensor, {}, segment.fd
+        with self._channel.lock:
+            self._table.add(slot, own, peers, fd)
+        return own
 
     def _reduce(self, slot: int, own: torch.Tensor) -> list[torch.Tensor]:
         n = own.numel()
         table = self._table
-        announced = self._sync.ready(ALL_REDUCE, slot, n, own.dtype, table.own_gen.get(slot, 0),
-                                     table.unmapped_fd(slot))
+        announced = self._sync.ready(ALL_REDUCE, self._number, slot, n, own.dtype,
+                                     (table.own_gen.get(slot, 0), table.unmapped_fd(slot)))
         lo, hi = ring_chunk(n, own.element_size(), self.world_size, self.rank)
         ok = False
         try:
             mapped, gens = table.peers[slot], table.peer_gen[slot]
             for peer, (gen, fd) in announced.items():
-                if gen != gens.get(peer, 0):  # the peer renewed its buffer: map the new one
+                if gen != gens.get(peer):  # first use, or the peer renewed: map its buffer
                     mapped[peer] = self._sync.open_peer(self.token, peer, slot, gen, fd, n,
                                                         own.dtype)
                     gens[peer] = gen
@@ -336,7 +467,7 @@ class SharedMemoryAllreduce:
         finally:
             # Join the done sync even if the sum failed, so the peers do not wait for us.
             failed = self._sync.dissenters(f"all_reduce of slot {slot}, done sync", ok)
-            with self._lock:  # the peers mapped it before their done sync (or gave up)
+            with self._channel.lock:  # the peers mapped it before their done sync (or gave up)
                 table.drop_unmapped(slot)
         if failed:
             raise ShmError(f"mini_ddp: rank {self.rank}: rank {failed[0]} failed to sum its "

@@ -10,7 +10,11 @@ the peers have mapped it). Each segment is labelled ``mini_ddp_shm_<token>_r<ran
 (plus ``_g<generation>`` for a renewed buffer), the token drawn per transport; the label shows
 in ``/proc/<pid>/maps`` and is checked before the peer maps a descriptor, so a reused pid or
 descriptor number cannot hand it the wrong memory. Space is reserved with ``posix_fallocate``:
-running out of memory raises an ``OSError`` here instead of a SIGBUS on first write.
+running out of memory raises an ``OSError`` here instead of a SIGBUS on first write. The
+mappings are not populated: like torch's own buckets (``at::empty``), a page is mapped at its
+first touch — the first gradient copied into it, the first sum that reads a peer's — and a
+rank touches only the chunk of a peer's buffer that it sums. The reservation is what makes a
+lazy mapping safe: every page of a segment exists before any process maps it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ have no name); tests list it to show that nothing of ours is left."""
 FILE_PREFIX = "mini_ddp_shm_"
 """Every segment label of the shared-memory transport starts with this."""
 
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ShmError(MiniDDPError):
@@ -67,7 +70,7 @@ def close_quietly(fd: int | None) -> None:
 
 
 def _map(fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    mapping = mmap.mmap(fd, numel * dtype.itemsize, flags=_MAP_FLAGS,
+    mapping = mmap.mmap(fd, numel * dtype.itemsize, flags=mmap.MAP_SHARED,
                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
     # frombuffer keeps a reference to the mmap object: unmapped when the tensor's storage dies.
     return torch.frombuffer(mapping, dtype=dtype, count=numel)
@@ -84,7 +87,8 @@ def create_segment(name: str, numel: int, dtype: torch.dtype) -> Segment:
     try:
         os.ftruncate(fd, nbytes)
         # Memory files allocate pages on first touch and answer exhausted memory with SIGBUS;
-        # reserving them now turns that into an OSError (ENOSPC/ENOMEM) here.
+        # reserving them now turns that into an OSError (ENOSPC/ENOMEM) here. It allocates the
+        # pages without mapping them: mapping happens at first touch (see the module docstring).
         os.posix_fallocate(fd, 0, nbytes)
         return Segment(_map(fd, numel, dtype), fd)
     except BaseException:

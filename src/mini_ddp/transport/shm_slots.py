@@ -1,9 +1,10 @@
 """The shared-memory transport's slot table: which buffer is which slot, on every rank.
 
 Every buffer :meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.allocate` hands out is a
-*slot*: this rank's tensor, its mappings of the peers' tensors, and — after
-:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.renew` — each rank's generation and the
-descriptor of the renewed segment the peers have not mapped yet. Buffers are known by
+*slot*: this rank's tensor, its mappings of the peers' tensors (made at the slot's first
+all-reduce), each rank's generation (bumped by
+:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.renew`) and the descriptor of this rank's
+segment while the peers have not mapped it yet. Buffers are known by
 identity (the tensor object itself), never by value. The table does no locking and no
 communication: the transport does.
 """
@@ -24,18 +25,22 @@ class SlotTable:
         self.by_id: dict[int, int] = {}  # id(own buffer) -> slot
         self.own: dict[int, torch.Tensor] = {}
         self.peers: dict[int, dict[int, torch.Tensor]] = {}  # slot -> {peer rank: mapping}
-        # renew(): a slot's generation on each rank, and the descriptors of our renewed
-        # segments the peers have not mapped yet (closed after the next done sync of that
-        # slot, when they have).
+        # A slot's generation on each rank (renew() bumps it), and the descriptors of our
+        # segments the peers have not mapped yet — a new slot's, a renewed one's — closed
+        # after the next done sync of that slot, when they have.
         self.own_gen: dict[int, int] = {}
         self.peer_gen: dict[int, dict[int, int]] = {}  # slot -> {peer rank: generation}
         self.unmapped: dict[int, int] = {}
 
-    def add(self, slot: int, own: torch.Tensor, peers: dict[int, torch.Tensor]) -> None:
-        """A freshly allocated slot: ``own`` (ours) and ``peers`` (our mappings of theirs)."""
+    def add(self, slot: int, own: torch.Tensor, peers: dict[int, torch.Tensor],
+            fd: int | None) -> None:
+        """A freshly allocated slot: ``own`` (ours), ``peers`` (our mappings of theirs, if
+        any yet) and ``fd``, the descriptor of our segment the peers will map (None: none)."""
         self.by_id[id(own)] = slot
         self.own[slot], self.peers[slot] = own, dict(peers)
-        self.peer_gen[slot] = {}
+        self.peer_gen[slot] = dict.fromkeys(peers, 0)
+        if fd is not None:
+            self.unmapped[slot] = fd
 
     def live_slot(self, tensor: Any) -> int | None:
         """The slot whose own buffer is ``tensor`` itself, or None."""
@@ -78,11 +83,15 @@ class SlotTable:
         close_quietly(self.unmapped.pop(slot, None))
 
     def clear(self) -> None:
-        """Forget every buffer and close every renewed segment's descriptor."""
+        """Forget every buffer and close every descriptor still kept for the peers."""
         self.by_id.clear()
         self.own.clear()
         self.peers.clear()
         self.peer_gen.clear()
+        self.close_unmapped()
+
+    def close_unmapped(self) -> None:
+        """Close every descriptor still kept for the peers (a forked child closes its copies)."""
         for fd in self.unmapped.values():
             close_quietly(fd)
         self.unmapped.clear()

@@ -1,13 +1,14 @@
 """The shared-memory all-reduce's handshakes: a few integers each way over private sockets.
 
-:func:`open_channel` decides, collectively on the transport's process group, whether the
-transport can work at all (Gloo ranks that see the same ``/dev/shm``) and connects every two of
-the group's processes by a Unix-domain socket (its two halves, :func:`channel_offer` and
-:meth:`ChannelOffer.open`, let a caller carry the offers in an all-gather of its own);
+:func:`channel_offer` and :meth:`ChannelOffer.open` decide, collectively on the transport's
+process group, whether the transport can work at all (Gloo ranks that see the same
+``/dev/shm``) and connect every two of the group's processes by a Unix-domain socket (the
+offers travel in an all-gather, :func:`exchange_offers` or the caller's own);
 :class:`PeerSync` runs the *ready* check (all ranks at the same call: :class:`ShmDesyncError`
-on all otherwise) and the *agree* votes around each allocation and sum, and exchanges the descriptors through which each rank maps the others' segments
-(:mod:`mini_ddp.transport.shm_files`). Socket failures (a closed connection, the timeout)
-become :class:`~mini_ddp.errors.CollectiveError`.
+on all otherwise) of each allocation and sum, carrying what the call needs agreed (whether
+every rank created its segment; the descriptors through which each rank maps the others'
+segments, :mod:`mini_ddp.transport.shm_files`), and the *done* vote after each sum. Socket
+failures (a closed connection, the timeout) become :class:`~mini_ddp.errors.CollectiveError`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import socket
 import struct
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from mini_ddp.errors import CollectiveError
 from mini_ddp.transport.shm_files import (
     FILE_PREFIX,
+    Segment,
     ShmAllocationError,
     ShmError,
     close_quietly,
@@ -50,12 +53,16 @@ _DTYPES: tuple[torch.dtype, ...] = (
 class ShmDesyncError(ShmError):
     """The ranks asked the transport for different things at the same point.
 
-    ``ranks`` maps each rank to ``(operation, slot, numel, dtype)`` as that rank called it.
+    ``ranks`` maps each rank to ``(operation, slot, numel, dtype)`` as that rank called it;
+    ``transports`` (given when they differ) each rank's transport, by its token: the ranks
+    called transports of one channel (one group) in different orders.
     """
 
-    def __init__(self, rank: int, ranks: dict[int, tuple[str, int, int, str]]):
+    def __init__(self, rank: int, ranks: dict[int, tuple[str, int, int, str]],
+                 transports: dict[int, str] | None = None):
         self.rank, self.ranks = rank, ranks
         told = "; ".join(f"rank {r} called {op} on slot {slot} ({numel} elements of {dtype})"
+                         + (f" of the transport {transports[r]}" if transports else "")
                          for r, (op, slot, numel, dtype) in sorted(ranks.items()))
         super().__init__(
             f"mini_ddp: rank {rank}: the shared-memory all-reduce is out of step: {told}. "
@@ -135,7 +142,7 @@ def _address(nonce: int) -> str:
     return f"\0{FILE_PREFIX}{nonce:016x}"
 
 
-OFFER_FIELDS = 6
+OFFER_FIELDS = 7
 """How many integers each rank contributes to a channel's start-up exchange
 (:attr:`ChannelOffer.fields`)."""
 NO_OFFER = (0,) * OFFER_FIELDS
@@ -159,6 +166,18 @@ def channel_offer(group: dist.ProcessGroup | None) -> ChannelOffer | None:
     return ChannelOffer(group)
 
 
+def holds_the_same_channel(rows: Sequence[Sequence[int]], live: int, pids: dict[int, int],
+                           rank: int) -> bool:
+    """Whether every group rank's offer ``rows`` names the live channel ``live`` (its token,
+    not 0) and comes from the process that channel connects to (``pids``: the peers' pids by
+    group rank, ``rank`` this one's). Every rank sees the same rows, so all answer alike: a
+    channel is reused on every rank of the group or on none."""
+    return bool(live) and len(rows) == len(pids) + 1 and all(
+        int(row[OFFER_FIELDS - 1]) == live
+        and int(row[0]) == (os.getpid() if r == rank else pids.get(r, -1))
+        for r, row in enumerate(rows))
+
+
 class ChannelOffer:
     """One rank's half of opening a transport's channel on a group, before the exchange.
 
@@ -166,7 +185,8 @@ class ChannelOffer:
     and on group rank 0 it draws the transport's token and a secret and puts the secret in a
     probe memory file. :attr:`fields` (:data:`OFFER_FIELDS` integers: this process's pid, the
     address's nonce, then on group rank 0 the token, the secret's two halves and the probe's
-    descriptor, zeros elsewhere) must reach every rank of the group in an all-gather, which
+    descriptor, zeros elsewhere, and last the token of the channel this process already holds
+    on the group, 0 for none) must reach every rank of the group in an all-gather, which
     the caller may share with another start-up check; :meth:`open` then connects the ranks.
     """
 
@@ -191,7 +211,10 @@ class ChannelOffer:
             except (OSError, AttributeError):  # AttributeError: no memfd_create (not Linux)
                 self._fd = -1
             shared[3] = self._fd
-        self.fields: list[int] = [os.getpid(), nonce, *shared]
+        # The last field names a channel the caller already holds on the group, for the ranks
+        # to reuse when all name the same one (holds_the_same_channel); ``held`` is it.
+        self.fields: list[int] = [os.getpid(), nonce, *shared, 0]
+        self.held: Any = None
 
     def open(self, rows: Sequence[Sequence[int]]
              ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
@@ -261,32 +284,6 @@ def exchange_offers(group: dist.ProcessGroup, fields: Sequence[int]) -> list[lis
     return [row.tolist() for row in rows]
 
 
-def open_channel(group: dist.ProcessGroup | None
-                 ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
-    """``(channel, rank, token, {peer rank: pid})`` for a transport on ``group`` (None: the
-    default group), or None on every rank of it.
-
-    Collective on ``group`` (an all-gather of the ranks' :class:`ChannelOffer` fields, then
-    the offer's two votes); ranks outside it take no part. The ranks are the group's ranks.
-    """
-    return open_offer(channel_offer(group), None)
-
-
-def open_offer(offer: ChannelOffer | None, rows: Sequence[Sequence[int]] | None
-               ) -> tuple[PeerSync, int, str, dict[int, int]] | None:
-    """:meth:`ChannelOffer.open` with ``rows``, exchanged first when None (an all-gather on the
-    offer's group); None at once without an offer. The offer is closed in any case."""
-    if offer is None:
-        return None
-    try:
-        if rows is None:
-            rows = exchange_offers(offer.group, offer.fields)
-    except BaseException:
-        offer.close()
-        raise
-    return offer.open(rows)
-
-
 _PEER_EXIT_S = 1.0
 """How long a rank whose peer closed the transport's socket waits for that process to end."""
 
@@ -303,7 +300,17 @@ def _running(pid: int) -> bool:
 def _token_and_secret(shared: Sequence[int]) -> tuple[str, bytes]:
     """The transport's token (hex, for labels and the socket's address) and the probe's secret,
     from the three random fields group rank 0 shares."""
-    return f"{int(shared[0]):016x}", struct.pack("<2q", int(shared[1]), int(shared[2]))
+    return token_of(shared[0]), struct.pack("<2q", int(shared[1]), int(shared[2]))
+
+
+def token_of(number: int) -> str:
+    """A token as labels show it (hex) from its number as offers carry it."""
+    return f"{int(number):016x}"
+
+
+def offered_token(rows: Sequence[Sequence[int]]) -> int:
+    """The fresh token group rank 0 drew for this exchange (its offer's third field)."""
+    return int(rows[0][2])
 
 
 def _agreed(ok: bool, group: dist.ProcessGroup) -> bool:
@@ -380,30 +387,65 @@ class PeerSync:
         return None
 
     def _let_peer_exit(self, peer: int) -> None:
-        """``peer`` closed its end while its process still runs: most often its model was
-        dropped as its script ends. Give that process up to :data:`_PEER_EXIT_S` to end, so that
+        """``peer`` closed its end while its process still runs: most often its script is
+        ending (its process group destroyed, the channel with it). Give that process up to :data:`_PEER_EXIT_S` to end, so that
         the finish mark it leaves at exit ("finished", not "died") is in the store when this
         rank's error reads it; a killed peer is gone already and costs nothing here."""
         deadline = time.monotonic() + _PEER_EXIT_S
         while _running(self.peer_pids[peer]) and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def ready(self, op: int, slot: int, numel: int, dtype: torch.dtype, gen: int,
-              fd: int = -1) -> dict[int, tuple[int, int]]:
+    def ready(self, op: int, view: int, slot: int, numel: int, dtype: torch.dtype,
+              extra: Sequence[int] = ()) -> dict[int, tuple[int, ...]]:
         """Every rank is at the same call: raise ShmDesyncError (on all) if they are not.
 
-        Also exchanges the slot's buffer generation ``gen`` (bumped by the transport's
-        ``renew``) and the descriptor ``fd`` of a renewed buffer the peers have not mapped yet;
-        returns each peer's ``(gen, fd)`` by rank.
+        The call is ``op`` on ``slot`` of the transport ``view`` (its token's number: the
+        transports of one channel share its sockets) with ``numel`` elements of ``dtype``.
+        ``extra``: integers the call needs from every rank (as many on each); returns each
+        peer's by rank.
         """
-        mine = (op, slot, numel, _dtype_code(dtype), gen, fd)
+        mine = (op, view, slot, numel, _dtype_code(dtype), *extra)
         theirs = self.exchange(f"{_OPS[op]} of slot {slot}, ready sync", mine)
-        if any(row[:4] != mine[:4] for row in theirs.values()):
+        if any(row[:5] != mine[:5] for row in theirs.values()):
             rows = {self.rank: mine, **theirs}
-            told = {r: (_OPS.get(row[0], "?"), row[1], row[2], _dtype_name(row[3]))
+            told = {r: (_OPS.get(row[0], "?"), row[2], row[3], _dtype_name(row[4]))
                     for r, row in rows.items()}
-            raise ShmDesyncError(self.rank, told)
-        return {peer: (row[4], row[5]) for peer, row in theirs.items()}
+            views = {r: token_of(row[1]) for r, row in rows.items()}
+            raise ShmDesyncError(self.rank, told,
+                                 views if len(set(views.values())) > 1 else None)
+        return {peer: row[5:] for peer, row in theirs.items()}
+
+    def allocate(self, token: str, view: int, slot: int, numel: int, dtype: torch.dtype
+                 ) -> Segment | None:
+        """This rank's new segment for ``slot`` of the transport ``token`` (``view``: its
+        number), or None for ``numel`` 0; one exchange with every peer.
+
+        The exchange is the ready check and carries whether each rank created its segment:
+        a failure on any raises :class:`ShmAllocationError` on all. Nothing of a peer is
+        mapped here: each rank announces its descriptor at the slot's first all-reduce,
+        where the peers map it (:meth:`open_peer`); until then the caller keeps it open.
+        """
+        name = segment_name(token, self.rank, slot)
+        segment, problem = None, ""
+        if numel:
+            try:
+                segment = create_segment(name, numel, dtype)
+            except OSError as err:
+                problem = f"rank {self.rank} could not create {name}: {err}"
+        try:
+            theirs = self.ready(ALLOCATE, view, slot, numel, dtype, (int(not problem),))
+            failed = [peer for peer, (peer_ok,) in theirs.items() if not peer_ok]
+            if problem or failed:
+                problem = problem or f"rank {failed[0]} could not create its segment"
+                raise ShmAllocationError(
+                    f"mini_ddp: {problem} ({numel} elements of {dtype}, "
+                    f"{numel * dtype.itemsize / 2**20:.1f} MiB, for slot {slot}); memory "
+                    "may be exhausted")
+        except BaseException:
+            if segment is not None:
+                close_quietly(segment.fd)
+            raise
+        return segment
 
     def open_peer(self, token: str, peer: int, slot: int, gen: int, fd: int, numel: int,
                   dtype: torch.dtype) -> torch.Tensor:
@@ -411,57 +453,7 @@ class PeerSync:
         return open_segment(self.peer_pids[peer], fd, segment_name(token, peer, slot, gen),
                             numel, dtype)
 
-    def agree(self, what: str, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank."""
-        return bool(ok) and not self.dissenters(what, ok)
-
     def dissenters(self, what: str, ok: bool) -> list[int]:
         """Vote ``ok``; the peers whose vote was no, lowest rank first."""
         theirs = self.exchange(what, (int(ok),))  # always: the peers wait for our vote
         return [peer for peer, row in theirs.items() if not row[0]]
-
-    def map_all(self, token: str, slot: int, numel: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Create this rank's segment for ``slot`` and map every peer's: ``(own, {peer:
-        tensor})``.
-
-        All ranks vote after each half, so a failure on any raises
-        :class:`ShmAllocationError` on all. The segments have no names, so a rank killed at
-        any point leaves nothing behind; this rank's descriptor is closed when this returns
-        (after the peers have mapped it, or given up).
-        """
-        mine = segment_name(token, self.rank, slot)
-        what = f"allocate of slot {slot}"
-        segment = None
-        try:
-            problem = ""
-            try:
-                segment = create_segment(mine, numel, dtype)
-            except OSError as err:
-                problem = f"rank {self.rank} could not create {mine}: {err}"
-            rows = self.exchange(f"{what}, segments created",
-                                 (int(not problem), -1 if segment is None else segment.fd))
-            failed = [peer for peer, (peer_ok, _) in rows.items() if not peer_ok]
-            if problem or failed:
-                problem = problem or f"rank {failed[0]} could not create its segment"
-                raise ShmAllocationError(
-                    f"mini_ddp: {problem} ({numel} elements of {dtype} for slot {slot}); "
-                    "memory may be exhausted")
-            peers = {}
-            for peer, (_, peer_fd) in rows.items():
-                try:
-                    peers[peer] = self.open_peer(token, peer, slot, 0, peer_fd, numel, dtype)
-                except OSError as err:
-                    problem = (f"rank {self.rank} could not map the segment of rank {peer}: "
-                               f"{err}")
-                    break
-            # After this sync the peers have mapped my segment (or given up): my descriptor
-            # can go.
-            if not self.agree(f"{what}, segments mapped", not problem):
-                problem = problem or (f"another rank could not map the segment of rank "
-                                      f"{self.rank}")
-                raise ShmAllocationError(f"mini_ddp: {problem} (slot {slot})")
-            return segment.tensor, peers
-        finally:
-            if segment is not None:
-                close_quietly(segment.fd)

@@ -28,6 +28,7 @@ import datetime
 import json
 import logging
 import os
+import queue
 import sys
 import sysconfig
 import threading
@@ -133,8 +134,10 @@ class StackResponder:
 
     The thread opens its connections itself: each clone is a connect and handshake with the
     store's server (milliseconds, more on a loaded host), which the model's constructor then
-    does not wait for. A store that cannot open a second connection (a ``HashStore``) leaves
-    the thread ended at once: nobody can ask this rank.
+    does not wait for. Nor does it wait for the thread to start: ``Thread.start`` returns only
+    once the new thread has run, a scheduler's delay on a loaded host, so one starter thread per
+    process starts it (:data:`_STARTER`). A store that cannot open a second connection (a
+    ``HashStore``) leaves the thread ended at once: nobody can ask this rank.
     """
 
     def __init__(self, store: Any, rank: int,
@@ -149,12 +152,18 @@ class StackResponder:
         self._connected = threading.Event()  # the thread has its connections, or has none
         callback = None if on_ask is None else weakref.WeakMethod(on_ask) \
             if hasattr(on_ask, "__self__") else (lambda: on_ask)
-        self.thread = threading.Thread(
+        self._thread = threading.Thread(
             target=_connect_and_serve,
             args=(store, rank, self._stop, callback, self._waker, self._connected),
             name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
-        self.thread.start()
-        _THREADS.add(self.thread)
+        self._launched = threading.Event()  # the starter has started it (or could not)
+        _STARTER.start(self._thread, self._launched, self._connected)
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The answering thread, once started (waits up to :data:`STOP_S` for the starter)."""
+        self._launched.wait(STOP_S)
+        return self._thread
 
     def stop(self) -> None:
         """End the thread: set the stop flag, then wake its wait (idempotent, never raises).
@@ -182,10 +191,56 @@ _LAST_SERVE_END = [float("-inf")]  # monotonic time a responder thread last left
 _THREAD_SETTLE_S = 0.25
 
 
+class _Starter:
+    """Starts responder threads in turn on a daemon thread of its own (itself started with the
+    first responder of the process), so that no model's constructor waits for a new thread to
+    be scheduled."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[threading.Thread, threading.Event,
+                                             threading.Event]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self, thread: threading.Thread, launched: threading.Event,
+              connected: threading.Event) -> None:
+        """Start ``thread`` soon; ``launched`` is set once it has started (or failed to, when
+        ``connected`` is set too: no thread will connect)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="mini_ddp-thread-starter")
+                self._thread.start()
+        self._queue.put((thread, launched, connected))
+
+    def forget(self) -> None:
+        """In a forked child: the parent's starter thread is not there."""
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            thread, launched, connected = self._queue.get()
+            try:
+                thread.start()
+                _THREADS.add(thread)
+            except RuntimeError as error:  # no new thread (e.g. the interpreter is ending)
+                logger.debug("mini_ddp: no stack responder thread: %s", error)
+                connected.set()
+            finally:
+                launched.set()
+            del thread, launched, connected
+
+
+_STARTER = _Starter()
+
+
 def _after_fork_in_child() -> None:
     # A forked child has none of the parent's threads: nothing of them to stop or join.
     _RESPONDERS.clear()
     _THREADS.clear()
+    _STARTER.forget()
     _LAST_SERVE_END[0] = float("-inf")
 
 
@@ -203,8 +258,11 @@ def _join_responders_at_exit() -> None:
     responder stopped earlier (its model collected) may still be on its way out: it is
     joined too.
     """
-    for responder in list(_RESPONDERS):
+    responders = list(_RESPONDERS)
+    for responder in responders:
         responder.stop()
+    for responder in responders:  # one still queued at the starter is joined below too
+        responder._launched.wait(STOP_S)
     for thread in list(_THREADS):
         thread.join(timeout=2.0)
     # A joined thread has left Python, not yet its OS thread: C++ thread-local state (the
