@@ -72,11 +72,15 @@ def test_the_command_line(hangs, tmp_path, capsys):
 
 
 if __name__ == "__main__":  # the output shown in docs/reliability.md ("Debugging a hang")
+    import re
     import sysconfig
     import tempfile
 
-    def show(text: str) -> None:  # site-packages paths shortened, as in the docs
-        print(text.replace(sysconfig.get_paths()["purelib"], "<site-packages>"))
+    def show(text: str) -> None:  # as in the docs: site-packages paths shortened, and the
+        # job's line numbers left out (they move with every edit of the file; the functions
+        # named beside them do not)
+        text = text.replace(sysconfig.get_paths()["purelib"], "<site-packages>")
+        print(re.sub(r"(hang_scenarios\.py):\d+", r"\1:<line>", text))
 
     folder, results, _ = run_hangs(tempfile.mkdtemp(prefix="mini_ddp_hangs_"))
     for name in ("loader", "gil"):

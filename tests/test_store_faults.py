@@ -10,6 +10,7 @@ rank 0's. Timeouts are shortened to a few seconds; the bounds below only guard a
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -76,11 +77,27 @@ def run_case(case: str, engines: str, world: int, outdir: Path) -> dict:
     return {"codes": codes, "stderr": errors, "results": results, "dir": outdir}
 
 
+def run_cases(cases: dict[str, tuple[str, str, int, Path]]) -> dict[str, dict]:
+    """:func:`run_case` for each of ``cases`` (name -> its arguments), all at once: each case's
+    processes are its own (own store, own folder), and most of a case is waiting (for a
+    timeout, a stopped process, an interpreter's start-up), which the others fill."""
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(run_case, *args) for name, args in cases.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 # ---- the store frozen or gone after wrapping, then a slow rank -------------------------------
+@pytest.fixture(scope="module")
+def unhealthy(tmp_path_factory):
+    out = tmp_path_factory.mktemp("unhealthy")
+    return run_cases({case: (case, "torch,mini", 3, out / case)
+                      for case in ("frozen_store", "gone_store")})
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", ["frozen_store", "gone_store"])
-def test_a_slow_rank_with_an_unhealthy_store_trains_on_as_under_torch_ddp(case, tmp_path):
-    run = run_case(case, "torch,mini", 3, tmp_path)
+def test_a_slow_rank_with_an_unhealthy_store_trains_on_as_under_torch_ddp(case, unhealthy):
+    run = unhealthy[case]
     assert run["codes"] == {0: 0, 1: 0, 2: 0}, run
     for engine in ("torch", "mini"):
         for rank in range(3):
@@ -102,8 +119,8 @@ def test_a_slow_rank_with_an_unhealthy_store_trains_on_as_under_torch_ddp(case, 
 @pytest.fixture(scope="module")
 def frozen_host(tmp_path_factory):
     out = tmp_path_factory.mktemp("frozen_host")
-    return {engine: run_case("frozen_host", engine, 3, out / engine)
-            for engine in ("torch", "mini")}
+    return run_cases({engine: ("frozen_host", engine, 3, out / engine)
+                      for engine in ("torch", "mini")})
 
 
 @pytest.mark.timeout(300)
@@ -125,8 +142,8 @@ def test_a_frozen_store_host_fails_the_survivors_like_torch_ddp(frozen_host):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     out = tmp_path_factory.mktemp("finish")
-    return {case: run_case(f"finish_{case}", "mini", 2, out / case)
-            for case in ("exit", "destroy", "kill", "fork_kill")}
+    return run_cases({case: (f"finish_{case}", "mini", 2, out / case)
+                      for case in ("exit", "destroy", "kill", "fork_kill")})
 
 
 @pytest.mark.timeout(300)

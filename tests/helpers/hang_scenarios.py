@@ -23,6 +23,7 @@ import functools
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -38,13 +39,26 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mini_ddp import DataParallelModel, MiniDDPError
 from mini_ddp.watch.flight_log import flight_recorder
-from mini_ddp.watch.stacks import ask_stacks
+from mini_ddp.watch.stacks import TIMEOUT_ANSWER_S, ask_stacks
+from mini_ddp.watch.stall import ARRIVAL_GRACE_S
 
-WARN_S = 2.0
-STUCK_S = 7.0
-GIL_S = 9.0
-TIMEOUT_S = 2.5
-ANSWER_S = 2.0  # the waiters' patience for a stack (default 5 s): keeps the GIL case short
+# The clocks of the job, scaled by the session's slowdown (tests/helpers/deadlines.py) and
+# written for a quiet machine: a busy one gets proportionally more room, never less. Each is
+# either a limit whose passing the tests check for (WARN_S, ANSWER_S, TIMEOUT_S: rounded, so that
+# the messages quote them as written) or how long a rank stays stuck past everything the
+# others do meanwhile (STUCK_S, GIL_S, LATE_S), so that what they record happens while it is.
+# A waiting rank gives its peers ARRIVAL_GRACE_S (fixed in mini_ddp) to leave their marks after
+# its warning or timeout, before it asks the late ones where they are.
+WARN_S = round(hang_bound(2.0), 1)  # stall_warning_s: the warning that the tests read
+ANSWER_S = round(hang_bound(2.0), 1)  # the waiters' patience for a stack (default 5 s)
+# Stuck until well after the warning, the grace and an answer: its stack is the stuck place.
+STUCK_S = WARN_S + ARRIVAL_GRACE_S + hang_bound(3.0)
+# Holding the GIL until well after the waiters gave up on its answer.
+GIL_S = math.ceil(WARN_S + ARRIVAL_GRACE_S + ANSWER_S + hang_bound(3.0))
+TIMEOUT_S = round(hang_bound(2.5), 1)  # sync_timeout_s: the GradSyncTimeout the tests read
+TIMEOUT_ANSWER_S = hang_bound(TIMEOUT_ANSWER_S)  # the timeout's patience for a stack
+# Rank 1's lateness in the timeout case: past the others' timeout, grace and ask.
+LATE_S = TIMEOUT_S + ARRIVAL_GRACE_S + TIMEOUT_ANSWER_S + hang_bound(1.0)
 # scenario -> (stuck rank, where)
 SCENARIOS = {"loader": 1, "grad_hook": 2, "comm_hook": 1, "barrier": 0, "gil": 1}
 FUNCTIONS = {"loader": "slow_loader", "grad_hook": "slow_grad_hook",
@@ -81,7 +95,7 @@ def rank0_only_checkpoint(side: dist.ProcessGroup) -> None:
 def hold_gil() -> None:
     # ctypes.CDLL releases the GIL around a foreign call; PyDLL does not: libc sleep() now runs
     # holding it, so no other thread of this process (the stack responder) can run Python.
-    ctypes.PyDLL(None).sleep(int(GIL_S))
+    ctypes.PyDLL(None).sleep(GIL_S)
 
 
 def _line_of(function: str, marker: str) -> int:
@@ -94,6 +108,12 @@ for _name, _marker in (("slow_loader", "time.sleep"), ("slow_grad_hook", "time.s
                        ("slow_comm_hook", "time.sleep"), ("rank0_only_checkpoint", "barrier("),
                        ("hold_gil", "sleep("), ("_job", "waits for the others' timeout")):
     LINES[_name] = _line_of(_name, _marker)
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + hang_bound(10)
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _net() -> nn.Module:
@@ -126,7 +146,9 @@ def _job(ctx, outdir: str) -> None:
     for _ in range(20):
         DataParallelModel(_net())
     gc.collect()
-    deadline = time.monotonic() + hang_bound(5)
+    # A dropped model's responder ends on its own time (later on a busy machine): a bound on
+    # that wait, not a limit on how long it may take; a leaked thread still fails the test.
+    deadline = time.monotonic() + hang_bound(60)
     while _responders() > base and time.monotonic() < deadline:
         time.sleep(0.05)
     seen["responders_before_after"] = [base, _responders()]
@@ -159,12 +181,15 @@ def _job(ctx, outdir: str) -> None:
         loss = model(batch).sum()
         loss.backward()
         _STUCK["where"] = None
-        model.stall_monitor.settle(30)  # the report runs beside the wait: let it finish
+        model.stall_monitor.settle(hang_bound(30))  # the report runs beside the wait
         seen["scenarios"][name] = {"warnings": records[:], "step": model.reducer.step.num_iterations}
-        time.sleep(0.5)  # a late answer (the GIL case) lands in this scenario's directory
+        if ctx.rank == stuck:  # its dump as it answered (late in the GIL case) lands here
+            _wait_for(out / name / f"rank{stuck}.json")
+        time.sleep(0.5)  # the second asker's answer too (the dump is rewritten)
     # GradSyncTimeout: a deadline shorter than the warning; rank 1 arrives after it, and after
     # the others have asked it where it is (their grace for its mark, then the ask).
     model = DataParallelModel(_net(), sync_timeout_s=TIMEOUT_S)
+    model.stall_monitor.timeout_answer_s = TIMEOUT_ANSWER_S
     flight_recorder(model, dump_dir=out / "timeout")
     for _ in range(2):
         model(x).sum().backward()
@@ -172,7 +197,7 @@ def _job(ctx, outdir: str) -> None:
     try:
         loss = model(x).sum()
         if ctx.rank == 1:
-            time.sleep(TIMEOUT_S + 4)  # waits for the others' timeout: stuck here
+            time.sleep(LATE_S)  # waits for the others' timeout: stuck here
         loss.backward()
         seen["timeout"] = None
     except MiniDDPError as error:
