@@ -186,7 +186,7 @@ def test_wrap_and_drop_100_times_leaks_nothing() -> None:
         assert result["transports"] == result["cycles"] == 103, result  # shm, every time
         live, before, after = result["live"], result["before"], result["after"]
         assert live["reducers"] == 1 and live["hooks"] == 4 and live["shm_maps"] > 0, live
-        assert live["threads"] > before["threads"], live  # the transport's worker
+        assert live["threads"] > before["threads"], live  # the live model's stack responder
         assert before["reducers"] == 0 and before["hooks"] == 0, before
         assert before["dev_shm_files"] == 0 and before["shm_maps"] == 0, before
         # A descriptor or thread released a little late may make "before" one higher; a leak
