@@ -82,13 +82,28 @@ def _clip_all(model: nn.Module, name: str) -> None:
     dict(model.named_parameters())[name].register_post_accumulate_grad_hook(clip)
 
 
+def _nodes(model: nn.Module) -> list:
+    """Every parameter's AccumulateGrad node, held on the module: a parameter holds its node
+    only weakly, so a hook on a node nobody holds would go with the node."""
+    model.user_nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]
+    return model.user_nodes
+
+
 def _halve_on_node(model: nn.Module) -> None:
-    """A post-hook on every parameter's AccumulateGrad node (runs after the reducer's)."""
+    """A post-hook on every parameter's AccumulateGrad node: registered after wrapping it runs
+    after the reducer's hook, registered before wrapping, before it."""
     def halve(param, *_grads):
         param.grad.mul_(0.5)
-    for p in model.parameters():
-        node = p.view_as(p).grad_fn.next_functions[0][0]
+    for p, node in zip(model.parameters(), _nodes(model), strict=True):
         node.register_hook(functools.partial(halve, p))
+
+
+def _halve_incoming_on_node(model: nn.Module) -> None:
+    """A pre-hook on every AccumulateGrad node that halves the gradient about to be
+    accumulated (it runs before the accumulation, so before any reducer hook)."""
+    for node in _nodes(model):
+        node.register_prehook(lambda grads: tuple(None if g is None else g * 0.5
+                                                   for g in grads))
 
 
 def _halve_in_module_hook(model: nn.Module) -> None:
@@ -111,8 +126,9 @@ def _replace_in_tensor_hook(model: nn.Module) -> None:
 FUSED = {"fused": {}, "fused_view": {"gradient_as_bucket_view": True},
          "fused_static": {"static_graph": True}, "fused_comm_hook": {}}
 ZERO_AFTER_FORWARD = ("zero_between", "zero_unused")
-SCENARIOS = ("clip", *FUSED, "node_post_after", "module_bwd", "tensor_hook", "zero_between",
-             "metric_fwd", "zero_unused", "twice")
+BEFORE_WRAPPING = {"node_post_before": _halve_on_node, "module_bwd_before": _halve_in_module_hook}
+SCENARIOS = ("clip", *FUSED, "node_post_after", "node_pre", "module_bwd", "tensor_hook",
+             *BEFORE_WRAPPING, "zero_between", "metric_fwd", "zero_unused", "twice")
 
 
 def _first_sentence(text: str) -> str:
@@ -124,8 +140,12 @@ def _scenario(name: str, rank: int, grouped: bool) -> dict:
     base = Stacks()
     last = _last_arrival(base)
     options = FUSED.get(name, {})
-    torch_model = DDP(copy.deepcopy(base), **options)
-    mini = DataParallelModel(copy.deepcopy(base), grouped_hooks=grouped, **options)
+    inner = [copy.deepcopy(base), copy.deepcopy(base)]
+    if name in BEFORE_WRAPPING:  # the user's hooks first, then the wrapper's
+        for module in inner:
+            BEFORE_WRAPPING[name](module)
+    torch_model = DDP(inner[0], **options)
+    mini = DataParallelModel(inner[1], grouped_hooks=grouped, **options)
     engines = [(m, torch.optim.SGD(m.parameters(), lr=0.05)) for m in (torch_model, mini)]
     for model, opt in engines:
         if name in FUSED:
@@ -136,6 +156,8 @@ def _scenario(name: str, rank: int, grouped: bool) -> dict:
             _clip_all(model.module, last)
         if name == "node_post_after":
             _halve_on_node(model.module)
+        if name == "node_pre":
+            _halve_incoming_on_node(model.module)
         if name == "module_bwd":
             _halve_in_module_hook(model.module)
         if name == "tensor_hook":
