@@ -25,6 +25,7 @@ from helpers.ranks import RanksFailed, run_ranks
 from torch import nn
 
 from mini_ddp import DataParallelModel, GradSyncTimeout, MiniDDPError
+from mini_ddp.engine.observer import Observer
 
 SYNC_TIMEOUT_S = 3.0  # DataParallelModel(sync_timeout_s=...) in the hang cases
 GLOO_TIMEOUT_S = 60.0  # the process group's own timeout: must not be what fires
@@ -63,14 +64,15 @@ class _Net(nn.Module):
         return self.c(torch.relu(self.b(self.bn(h))))
 
 
-class _LaunchTrap:
-    """A reducer trace that runs ``action`` when bucket 1 is about to launch (bucket 0 is out)."""
+class _LaunchTrap(Observer):
+    """An observer that runs ``action`` when bucket 1 is about to launch (it is full; bucket
+    0 is out)."""
 
     def __init__(self, action):
         self.action, self.armed = action, False
 
-    def record(self, kind: str, **info: object) -> None:
-        if self.armed and kind == "launch" and info.get("bucket") == 1:
+    def bucket_ready(self, reducer, bucket) -> None:
+        if self.armed and bucket.index == 1:
             self.action()
 
 
@@ -92,7 +94,7 @@ def _train(ctx, name: str, outdir: str) -> None:
         model = DataParallelModel(net, bucket_cap_mb=0.01, sync_timeout_s=SYNC_TIMEOUT_S)
         trap = _LaunchTrap(die)
         if victim and where == "launch":
-            model.reducer.trace = trap
+            model.reducer.observers.add(trap)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(6):
             if victim and where == "forward" and step == at_step:

@@ -29,6 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_ddp import DataParallelModel
+from mini_ddp.engine.observer import Observer
 from mini_ddp.training.models import Seed002CNN, resnet18_cifar
 
 CASES = {
@@ -155,7 +156,7 @@ def _die_in_backward(ctx, how: str, outdir: str) -> None:
     trap = _Trap(how, outdir)
     if ctx.rank == 1:
         Path(outdir, "victim.pid").write_text(str(os.getpid()))
-        model.reducer.trace = trap
+        model.reducer.observers.add(trap)
     for step in range(4):
         trap.armed = step == 2
         try:
@@ -170,14 +171,14 @@ def _die_in_backward(ctx, how: str, outdir: str) -> None:
     Path(outdir, "rank0.json").write_text(json.dumps({"type": None}))
 
 
-class _Trap:
-    """A reducer trace that kills or stops this rank when bucket 1 is about to launch."""
+class _Trap(Observer):
+    """An observer that kills or stops this rank when bucket 1 is about to launch (full)."""
 
     def __init__(self, how: str, outdir: str):
         self.how, self.outdir, self.armed = how, outdir, False
 
-    def record(self, kind: str, **info: object) -> None:
-        if self.armed and kind == "launch" and info.get("bucket") == 1:
+    def bucket_ready(self, reducer, bucket) -> None:
+        if self.armed and bucket.index == 1:
             Path(self.outdir, "failed_at").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
 

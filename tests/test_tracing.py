@@ -11,6 +11,7 @@ from torch import nn
 
 from mini_ddp import DataParallelModel
 from mini_ddp.engine.config import format_bytes
+from mini_ddp.engine.observer import Observers
 from mini_ddp.observe.timeline import (
     overlap,
     overlap_summary,
@@ -56,7 +57,7 @@ def _traced_training(ctx):
                 opt.step()
             opt.zero_grad()
         rec.mark("done")
-    return rec.snapshot(), layouts, model.reducer.trace is None
+    return rec.snapshot(), layouts, rec not in model.reducer.observers.members
 
 
 @pytest.fixture(scope="module")
@@ -287,19 +288,23 @@ def test_completion_seen_before_its_callback_keeps_the_earlier_time():
     assert (backward.start, backward.end) == (20, 40)
 
 
-def test_attach_and_detach_share_the_reducer_seam():
+def test_attach_and_detach_share_the_reducer_observers():
+    observers = Observers()
+
     class Reducer:
-        trace = None
+        pass
 
     reducer, a, b = Reducer(), TraceRecorder(), TraceRecorder()
+    reducer.observers = observers
     attach(reducer, a)
     attach(reducer, b)
-    reducer.trace.record("mark", name="x")
-    assert len(a.events) == len(b.events) == 1
+    assert observers.per_gradient  # a recorder listens to each gradient: hooks stay per gradient
+    observers.gradient_ready(reducer, 3)
+    assert [e[1:] for e in a.events] == [e[1:] for e in b.events] == [("hook", {"param": 3})]
     detach(reducer, a)
-    assert reducer.trace is b
+    assert observers.members == [b]
     detach(reducer, b)
-    assert reducer.trace is None  # back on the zero-cost path
+    assert observers.members == [] and not observers.per_gradient  # the zero-cost path again
 
 
 # ---- the tutorial's shipped artefacts (docs/img/ddp-step/) still match the code --------------

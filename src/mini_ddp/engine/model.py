@@ -364,9 +364,6 @@ class DataParallelModel(DistributedDataParallel):
         refuse_compiled_autograd_without_python_reducer(self)
         if self.reducer is None:  # every parameter delayed: none of DDP's bookkeeping
             return inputs, kwargs
-        trace = self.reducer.trace
-        if trace is not None:
-            trace.record("forward_start")
         grad_enabled = torch.is_grad_enabled()
         self.reducer.observers.forward_begun(self)  # before this forward's first collective
         if grad_enabled and self.require_backward_grad_sync:
@@ -446,8 +443,7 @@ class DataParallelModel(DistributedDataParallel):
             output = through_sink(output, self._on_outputs_backward, clone=self._ddp_sink_clone)
         if self.delayed is not None:
             self.delayed.point_grads_at_buffer()
-        if self.reducer.trace is not None:
-            self.reducer.trace.record("forward_end")
+        self.reducer.observers.forward_ended(self)
         return output
 
     def _on_outputs_backward(self) -> None:

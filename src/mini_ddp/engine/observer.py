@@ -1,7 +1,8 @@
 """The one interface between the engine and the layers that watch or check it.
 
-The engine moves gradients; :mod:`mini_ddp.watch` (the stall warning, the flight log) and
-:mod:`mini_ddp.checks` (the replica check, the debug checks) only look. They hear what happens
+The engine moves gradients; :mod:`mini_ddp.watch` (the stall warning, the flight log),
+:mod:`mini_ddp.checks` (the replica check, the debug checks) and the tracing of
+:mod:`mini_ddp.observe.tracing` only look. They hear what happens
 through the events below, one call per event, and the engine imports neither of them: they
 register here when imported (``import mini_ddp`` imports both), and every model built after
 that wears them.
@@ -13,12 +14,17 @@ Events, in the order of a step (``model`` is the ``DataParallelModel``, ``reduce
 ``forward_begun(model)``                   a forward starts, before any of its collectives
 ``forward_ready(model, buffers_synced)``   a synchronised forward has broadcast its buffers
                                            (``buffers_synced``: it had some to broadcast)
+``forward_ended(model)``                   the forward returns its outputs
 ``order_decided(reducer, decision)``       how gradients are read from now on: ``"rebuild"``
                                            (buckets rebuilt in the order seen), ``"grouped"``
                                            (one hook per group), ``"fallback"`` (one hook per
                                            gradient again)
 ``backward_begun(reducer)``                the first gradient of a synchronised backward
+``gradient_ready(reducer, index)``         parameter ``index``'s gradient is marked ready
+                                           (while anything listens, one hook per gradient)
+``bucket_ready(reducer, bucket)``          every gradient of the bucket is in
 ``bucket_launched(reducer, bucket)``       the bucket's collective has started
+                                           (``bucket.future`` is its future)
 ``backward_ended(reducer)``                autograd is done; the end-of-backward wait begins
 ``wait_begun(reducer, bucket)``            a wait must block (the collective has not finished;
 ``wait_ended(reducer, bucket)``            ``bucket`` None: the used-parameter map), and ended
@@ -29,7 +35,10 @@ Events, in the order of a step (``model`` is the ``DataParallelModel``, ``reduce
 An observer is any object with some of these methods (:class:`Observer` has them all, doing
 nothing). A reducer's :class:`Observers` binds each event to exactly what listens: nothing (a
 no-op), one method (called directly) or several in turn, so a step pays one Python call per
-event and no loop when nobody listens. An observer must not raise on the way, except to
+event and no loop when nobody listens. ``gradient_ready`` is the one per-gradient event: the
+reducer calls it only while :attr:`Observers.per_gradient` says something listens, and then
+keeps one hook per gradient (grouped hooks would tell it once per group), so a step without
+tracing pays one attribute test per gradient. An observer must not raise on the way, except to
 name a user's mistake (the checks do, as the engine would).
 
 Two seams stay outside these events because they are not events: a slow wait asks for a
@@ -44,9 +53,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-EVENTS = ("forward_begun", "forward_ready", "order_decided", "backward_begun",
-          "bucket_launched", "backward_ended", "wait_begun", "wait_ended", "bucket_done",
-          "backward_finished")
+EVENTS = ("forward_begun", "forward_ready", "forward_ended", "order_decided", "backward_begun",
+          "gradient_ready", "bucket_ready", "bucket_launched", "backward_ended", "wait_begun",
+          "wait_ended", "bucket_done", "backward_finished")
 
 
 class Observer:
@@ -58,14 +67,24 @@ class Observer:
     def forward_ready(self, model: Any, buffers_synced: bool) -> None:
         """A synchronised forward has broadcast its buffers (or had none to)."""
 
+    def forward_ended(self, model: Any) -> None:
+        """The forward returns its outputs."""
+
     def order_decided(self, reducer: Any, decision: str) -> None:
         """``"rebuild"``, ``"grouped"`` or ``"fallback"``: how gradients are read from now on."""
 
     def backward_begun(self, reducer: Any) -> None:
         """The first gradient of a synchronised backward has arrived."""
 
+    def gradient_ready(self, reducer: Any, index: int) -> None:
+        """Parameter ``index``'s gradient is marked ready (listening keeps one hook per
+        gradient)."""
+
+    def bucket_ready(self, reducer: Any, bucket: Any) -> None:
+        """Every gradient of ``bucket`` is in; it launches once every earlier bucket has."""
+
     def bucket_launched(self, reducer: Any, bucket: Any) -> None:
-        """``bucket``'s collective has started."""
+        """``bucket``'s collective has started (``bucket.future`` is its future)."""
 
     def backward_ended(self, reducer: Any) -> None:
         """Autograd is done; the end-of-backward wait begins."""
@@ -97,6 +116,7 @@ class Observers:
 
     def __init__(self) -> None:
         self.members: list[Any] = []
+        self.per_gradient = False  # something listens to gradient_ready
         self._bind()
 
     def add(self, observer: Any, first: bool = False) -> None:
@@ -117,6 +137,7 @@ class Observers:
             methods = [getattr(m, event) for m in self.members if _listens(m, event)]
             setattr(self, event, _nothing if not methods else methods[0] if len(methods) == 1
                     else _in_turn(methods))
+        self.per_gradient = self.gradient_ready is not _nothing
 
 
 def _in_turn(methods: list[Callable[..., None]]) -> Callable[..., None]:

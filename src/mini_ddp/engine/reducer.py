@@ -265,7 +265,6 @@ class Reducer(TorchReducerAPI):
         self.scales_whole_buckets = False  # set with comm_hook, just below
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
-        self.trace: Any = None  # a recorder with .record(kind, **info), or None (tracing off)
         # What watches this reducer (mini_ddp.engine.observer): one call per event.
         self.observers = Observers()
         self._flight: Any = None
@@ -469,8 +468,8 @@ class Reducer(TorchReducerAPI):
         step = self.step
         with self._lock:
             if step.plain:  # the steady state: the first hook of this backward decided it all
-                if self.trace is not None:
-                    self.trace.record("hook", param=index)
+                if self.observers.per_gradient:
+                    self.observers.gradient_ready(self, index)
                 step.ready_order.append(index)  # the logging data's ready order, as torch's
                 self.mark_variable_ready(index)
                 return
@@ -495,8 +494,8 @@ class Reducer(TorchReducerAPI):
                 if unarmed is not None:  # backward inside a forward nobody armed: refused
                     raise unarmed
                 return  # no_sync(), or a backward DDP was not asked to synchronise
-            if self.trace is not None:
-                self.trace.record("hook", param=index)
+            if self.observers.per_gradient:
+                self.observers.gradient_ready(self, index)
             step.ready_order.append(index)  # the logging data's ready order, as torch's
             if not step.marked_unused:
                 step.marked_unused = True
@@ -522,7 +521,8 @@ class Reducer(TorchReducerAPI):
         gradients may be read late)?"""
         config = self.config
         return (self.scales_whole_buckets and not config.find_unused_parameters
-                and not config.static_graph and not config.debug and self.trace is None
+                and not config.static_graph and not config.debug
+                and not self.observers.per_gradient
                 and not self.step.records_order
                 # Another wrapper of the same parameters writes their .grad back too.
                 and not self.layout.shared_with_another
@@ -590,9 +590,9 @@ class Reducer(TorchReducerAPI):
             params, indices, positions = group.params, group.indices, group.positions
             if first:  # marked by autograd_hook
                 params, indices, positions = params[:-1], indices[:-1], positions[:-1]
-            if self.trace is not None:
+            if self.observers.per_gradient:  # attached while the hooks were grouped
                 for index in indices:
-                    self.trace.record("hook", param=index)
+                    self.observers.gradient_ready(self, index)
             if not indices:
                 return
             grads = list(map(_GRAD, params))
@@ -692,8 +692,7 @@ class Reducer(TorchReducerAPI):
                 bucket.buffer.mul_(self._scale)
         elif self.config.batched_grad_copy:
             self.flush_batched(bucket)
-        if self.trace is not None:
-            self.trace.record("bucket_ready", bucket=bucket.index)
+        self.observers.bucket_ready(self, bucket)
         # Launch every ready bucket from next_bucket on, strictly in bucket order. With
         # skip_all_reduce_unused_params a bucket of unused parameters only stays local (no
         # future: its .grad are left alone), as DDP's should_skip_all_reduce_bucket.
@@ -850,8 +849,6 @@ class Reducer(TorchReducerAPI):
     def all_reduce_bucket(self, bucket: bucketing.Bucket) -> None:
         """Start ``bucket``'s collective: shared memory where it lives there, else the
         comm-hook door (a registered hook, or the default all-reduce)."""
-        if self.trace is not None:
-            self.trace.record("launch", bucket=bucket.index, bytes=bucket.nbytes)
         if self._comm_hook is not None:  # a user hook's errors are its own: no naming
             grad_bucket = bucket.grad_bucket = GradBucket.of(bucket, len(self.layout.buckets))
             try:
@@ -882,8 +879,6 @@ class Reducer(TorchReducerAPI):
                 raise
             except RuntimeError as err:
                 raise collective_error(self.rank, self.describe(bucket), err) from err
-        if self.trace is not None:  # lets a recorder log when the collective really ends
-            self.trace.record("launched", bucket=bucket.index, future=bucket.future)
         self.observers.bucket_launched(self, bucket)
 
     def delay_all_reduce(self) -> None:
@@ -980,8 +975,6 @@ class Reducer(TorchReducerAPI):
         """Wait for every bucket, then put the averaged gradients into ``param.grad``."""
         config = self.config
         with self._lock:
-            if self.trace is not None:
-                self.trace.record("finalize_start")  # backward's compute has ended
             self.observers.backward_ended(self)
             groups = self.hook_groups
             if groups is not None and groups.groups is not None:
@@ -1019,16 +1012,12 @@ class Reducer(TorchReducerAPI):
                     and len(value) == 1 and value[0] is bucket.buffer \
                     else result_tensor(value, self._comm_hook, bucket.grad_bucket
                                        or GradBucket.of(bucket, len(self.layout.buckets)))
-                if self.trace is not None:
-                    self.trace.record("complete", bucket=bucket.index)
                 writeback.write_back_bucket(bucket, result, plain=plain, zero_copy=self.zero_copy,
                                             as_bucket_view=config.gradient_as_bucket_view,
                                             skip=skip)
             if track_unused:  # the used map: nothing to wait for or reset otherwise
                 self.unused_search.finish(self.wait)
             self.observers.backward_finished(self)
-            if self.trace is not None:
-                self.trace.record("finalized")
 
 
 def _hook_trampoline(reducer_ref: weakref.ref, index: int, *_grads: Any) -> None:

@@ -10,11 +10,12 @@
     traces = mini_ddp.observe.tracing.gather_traces(rec)         # on rank 0: one RankTrace per rank
     mini_ddp.observe.tracing.write_chrome_trace(traces, "trace.json")   # open in ui.perfetto.dev
 
-The reducer and the model call ``reducer.trace.record(kind, **info)`` at each point of a step
-(forward start/end, each parameter's hook, a bucket becoming ready, its launch, the end of
-backward, the copy-back) — but only when ``reducer.trace is not None``: with tracing off a step
-pays one attribute test per event and nothing else. A recorder stores ``(monotonic ns, kind,
-info)`` tuples; the real end of each collective is taken from a done-callback on its future,
+A recorder is one more observer of the engine (:mod:`mini_ddp.engine.observer`): it hears
+each point of a step (forward start/end, each parameter's gradient, a bucket becoming ready,
+its launch, the end of backward, each bucket's result, the copy-back) as the engine's events
+and stores them as ``(monotonic ns, kind, info)`` tuples (:meth:`TraceRecorder.record`); with
+no recorder attached a step pays the no-op event calls every step pays, and one attribute test
+per gradient. The real end of each collective is taken from a done-callback on its future,
 because the reducer only *observes* completion later, when backward has ended. On a GPU the
 callback runs as soon as the collective is queued (NCCL's futures are done at launch), so
 there it records a CUDA event on the callback's stream — which torch makes wait for the
@@ -49,11 +50,46 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mini_ddp.engine.observer import Observer
 from mini_ddp.observe.spans import Event, RankTrace, Span, spans
 from mini_ddp.watch.device_timer import DeviceTimer, timer_for
 
 
-class TraceRecorder:
+class RecordingObserver(Observer):
+    """The engine's events as :meth:`record` calls, under the kinds a trace keeps (see
+    :mod:`mini_ddp.observe.spans`); a subclass says what ``record`` does with them."""
+
+    def record(self, kind: str, **info: Any) -> None:
+        """Keep ``kind`` (with ``info``) as of now."""
+        raise NotImplementedError
+
+    def forward_begun(self, model: Any) -> None:
+        self.record("forward_start")
+
+    def forward_ended(self, model: Any) -> None:
+        self.record("forward_end")
+
+    def gradient_ready(self, reducer: Any, index: int) -> None:
+        self.record("hook", param=index)
+
+    def bucket_ready(self, reducer: Any, bucket: Any) -> None:
+        self.record("bucket_ready", bucket=bucket.index)
+
+    def bucket_launched(self, reducer: Any, bucket: Any) -> None:
+        # The future lets a recorder log when the collective really ends.
+        self.record("launch", bucket=bucket.index, bytes=bucket.nbytes, future=bucket.future)
+
+    def backward_ended(self, reducer: Any) -> None:
+        self.record("finalize_start")
+
+    def bucket_done(self, reducer: Any, bucket: Any) -> None:
+        self.record("complete", bucket=bucket.index)
+
+    def backward_finished(self, reducer: Any) -> None:
+        self.record("finalized")
+
+
+class TraceRecorder(RecordingObserver):
     """Collects one rank's events; attach it with :func:`trace` (or :func:`attach`)."""
 
     def __init__(self, rank: int = 0, param_names: list[str] | None = None,
@@ -222,37 +258,14 @@ def setup_line(setup: dict | None, transports: dict[str, int] | None = None) -> 
     return f"transport: {used}; write-back: {back} — {whose}"
 
 
-class _Tee:
-    """Several recorders on one reducer (e.g. tracing and the stall watchdog together)."""
-
-    def __init__(self, *recorders: Any):
-        self.recorders = list(recorders)
-
-    def record(self, kind: str, **info: Any) -> None:
-        for recorder in self.recorders:
-            recorder.record(kind, **info)  # each call gets its own copy of ``info``
-
-
 def attach(reducer: Any, recorder: Any) -> None:
-    """Make ``reducer`` (and its model) report events to ``recorder`` too."""
-    current = reducer.trace
-    if current is None:
-        reducer.trace = recorder
-    elif isinstance(current, _Tee):
-        current.recorders.append(recorder)
-    else:
-        reducer.trace = _Tee(current, recorder)
+    """Make ``reducer`` (and its model) report events to ``recorder`` too (an observer)."""
+    reducer.observers.add(recorder)
 
 
 def detach(reducer: Any, recorder: Any) -> None:
     """Undo :func:`attach`; with no recorder left, tracing costs nothing again."""
-    current = reducer.trace
-    if current is recorder:
-        reducer.trace = None
-    elif isinstance(current, _Tee) and recorder in current.recorders:
-        current.recorders.remove(recorder)
-        if len(current.recorders) == 1:
-            reducer.trace = current.recorders[0]
+    reducer.observers.remove(recorder)
 
 
 @contextmanager

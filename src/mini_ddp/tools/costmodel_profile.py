@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mini_ddp.observe.tracing import RecordingObserver
 from mini_ddp.tools.bench_models import BENCH_BATCH, build_engine
 from mini_ddp.tools.costmodel_inputs import Network, Profile, profile_to_dict
 from mini_ddp.tools.report import time_blocks
@@ -25,14 +26,14 @@ from mini_ddp.training.spawn import RankContext, run_ranks
 from mini_ddp.transport.collectives.cost import fit_alpha_beta
 
 
-class _Recorder:
-    """A reducer trace recorder (``reducer.trace``): keeps ``(time, kind, info)``."""
+class _Recorder(RecordingObserver):
+    """A trace recorder on the reducer's observers: keeps ``(time, kind, info)``."""
 
     def __init__(self) -> None:
         self.events: list[tuple[float, str, dict]] = []
 
     def record(self, kind: str, **info: Any) -> None:
-        info.pop("future", None)  # "launched" hands over its future; we need only the time
+        info.pop("future", None)  # "launch" hands over its future; we need only the time
         self.events.append((time.perf_counter(), kind, info))
 
 
@@ -64,9 +65,9 @@ def measure_profile(model: str, steps: int = 5, warmup: int = 3) -> Profile:
     for _ in range(warmup):  # the bucket rebuild happens before forward 2
         engine.step(batch)
     reducer = engine.model.reducer
-    reducer.trace = rec
+    reducer.observers.add(rec)
     runs = [_one_step(engine, batch, rec) for _ in range(steps)]
-    reducer.trace = None
+    reducer.observers.remove(rec)
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
     order = sorted(runs[0]["hooks"], key=lambda i: runs[0]["hooks"][i])
     position = {p: k for k, p in enumerate(order)}
