@@ -75,6 +75,8 @@ NAMED = [
     ("finish_early", False, 0, "rank 1 finished (destroyed its process group) after step 3"),
     ("nan", True, 1, "holds NaN in the backward of step 3, before the all-reduce"),
     ("nan", True, 0, "came from rank 1"),
+    ("nan", False, 1, "holds NaN in the backward of step 3, before the all-reduce"),
+    ("nan", False, 0, "came from rank 1"),
     ("no_grad_eval", True, 0, "an extra forward"),
     ("no_grad_eval", False, 0, "an extra forward through the wrapper on rank 0: by step 100"),
     ("no_grad_eval", False, 1, "an extra forward through the wrapper on rank 0: by step 100"),

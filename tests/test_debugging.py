@@ -35,6 +35,8 @@ JOBS = {
     "param_added": ("param_added", None, {}),
     "eval_mode": ("eval_mode", None, {}),
     "nan": ("nan", True, {}),
+    "nan_defaults": ("nan", None, {}),
+    "nan_everywhere": ("nan_everywhere", None, {}),
     "bypass": ("bypass", True, {}),
     "detail": ("one_rank_collective", False, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
     "clean": ("none", None, {}),
@@ -129,12 +131,23 @@ def test_a_silent_mistake_is_named_on_every_rank(told, name):
             assert phrase in result["warnings"][0], (phrase, result)
 
 
-def test_the_rank_where_a_nan_appeared_is_named(told):
-    rank1 = _all_text(_rank(told, "nan", 1))
+@pytest.mark.parametrize("name", ["nan", "nan_defaults"])
+def test_the_rank_where_a_nan_appeared_is_named(told, name):
+    # The switch reads every gradient; by default one small gradient per backward.
+    rank1 = _all_text(_rank(told, name, 1))
     assert "the local gradient of 'fc2.bias' holds NaN in the backward of step 3" in rank1
-    rank0 = _all_text(_rank(told, "nan", 0))
+    rank0 = _all_text(_rank(told, name, 0))
     assert "came from rank 1: its local gradient of 'fc2.bias' held NaN" in rank0
-    assert "This rank's own local gradients were finite then" in rank0
+    assert "This rank's own local gradient" in rank0  # finite at step 3
+    assert "came from" not in rank1 and "holds NaN" not in rank0, (rank0, rank1)
+
+
+def test_a_nan_on_every_rank_is_not_blamed_on_one(told):
+    for rank in (0, 1):
+        text = _all_text(_rank(told, "nan_everywhere", rank))
+        assert "ranks [0, 1] all computed a local gradient of 'fc2.bias' holding NaN in the " \
+               "backward of step 3" in text, text
+        assert "came from" not in text and "no other rank" not in text, text
 
 
 def test_a_bypassed_wrapper_is_named_on_its_rank_and_by_the_waiting_one(told):

@@ -24,7 +24,7 @@ from torch import nn
 from mini_ddp import DataParallelModel
 
 BUGS = ("none", "uneven", "uneven_joined", "eval_forward", "eval_forward_no_grad", "one_rank_collective", "same_data",
-        "load_on_one_rank", "param_added", "eval_mode", "nan", "bypass")
+        "load_on_one_rank", "param_added", "eval_mode", "nan", "nan_everywhere", "bypass")
 STEPS = 4
 WARN_S = 1.5  # the stall warning (and the debug check's warning)
 TIMEOUT_S = 4.0  # sync_timeout_s: the debug check's error
@@ -51,8 +51,8 @@ def batches(rank: int, bug: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0 if bug == "same_data" else 100 + rank)
     count = STEPS + (1 if bug.startswith("uneven") and rank == 0 else 0)
     data = [torch.randn(6, 8, generator=gen) for _ in range(count)]
-    if bug == "nan" and rank == 1:
-        data[2][0, 0] = float("nan")  # one bad sample on rank 1, in step 3
+    if (bug == "nan" and rank == 1) or bug == "nan_everywhere":
+        data[2][0, 0] = float("nan")  # one bad sample on rank 1 (or on every rank), in step 3
     return data
 
 

@@ -1,10 +1,12 @@
 """mini_ddp's debug switch, and the checks a model runs with and without it.
 
-**Always on** (nearly free, docs/debugging.md has the figures): the replica check
-(:mod:`mini_ddp.checks.replicas` — identical data on every rank at step 1; parameters, buffers,
-train/eval modes, parameter sets and the count of buffer broadcasts outside a training step
-(an extra forward on one rank) compared at step 1 and every ``replica_check_every`` steps), a
-WARNING when something differs.
+**Always on** (nearly free, docs/debugging.md has the figures; ``replica_check_every=None``
+turns both off): the replica check (:mod:`mini_ddp.checks.replicas` — identical data on every
+rank at step 1; parameters, buffers, train/eval modes, parameter sets and the count of buffer
+broadcasts outside a training step (an extra forward on one rank) compared at step 1 and every
+``replica_check_every`` steps), and the rank a NaN/Inf came from, read from one small gradient
+per backward (:class:`~mini_ddp.checks.grad_watch.NonFiniteSentinel`); a WARNING when
+something differs.
 
 **The debug switch** — ``DataParallelModel(..., debug=True)``, or the environment variable
 ``MINI_DDP_DEBUG=1``, or torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` — adds what costs a
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from mini_ddp.checks.fingerprint import Fingerprints
-from mini_ddp.checks.grad_watch import GradWatch
+from mini_ddp.checks.grad_watch import GradWatch, NonFiniteSentinel
 from mini_ddp.checks.rank_board import RankBoard
 from mini_ddp.checks.replicas import ReplicaCheck
 from mini_ddp.engine import observer
@@ -59,6 +61,10 @@ class SyncChecks:
         self.single = reducer.world_size == 1
         self.replicas = None if self.single or (replica_check_every is None and not debug) \
             else ReplicaCheck(model, self.board, replica_check_every, strict=debug)
+        # Where a NaN came from, by default from one small gradient per backward; the switch's
+        # GradWatch reads every gradient instead.
+        self.sentinel = None if self.single or debug or replica_check_every is None \
+            else NonFiniteSentinel(model, self.board)
         self.fingerprints = self.watch = None
         if debug and not self.single:
             config = model.config
@@ -85,6 +91,8 @@ class SyncChecks:
         the model has been inside ``join()`` (torch's ``Join`` leaves the model's join config
         enabled after the context): the fingerprints pause for good — a joined rank shadows
         the others' collectives without their forwards, and counts no steps."""
+        if self.sentinel is not None:  # mini_ddp.attach calls this at every forward
+            self.sentinel.forward()
         if self.replicas is not None and broadcast and not synced:
             self.replicas.broadcast_off_step()
         if self.watch is not None and grad_enabled:
@@ -121,7 +129,10 @@ class SyncChecks:
             self.before_collectives(grad_enabled, synced, model.will_sync_module_buffers(),
                                     model.reducer.step.num_iterations + synced,
                                     joining=model.joining)
-        elif not synced and self.replicas is not None and model.will_sync_module_buffers():
+            return
+        if self.sentinel is not None:
+            self.sentinel.forward()
+        if not synced and self.replicas is not None and model.will_sync_module_buffers():
             self.replicas.broadcast_off_step()
 
     def forward_ready(self, model: Any, buffers_synced: bool) -> None:
@@ -131,10 +142,9 @@ class SyncChecks:
 
     def remove(self) -> None:
         """Take every hook off."""
-        if self.replicas is not None:
-            self.replicas.remove()
-        if self.watch is not None:
-            self.watch.remove()
+        for check in (self.replicas, self.watch, self.sentinel):
+            if check is not None:
+                check.remove()
 
 
 def _ended(rank: int, ranks: list[int]) -> str:

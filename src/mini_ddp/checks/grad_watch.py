@@ -1,4 +1,7 @@
-"""Watching local gradients (debug switch): where a NaN came from, a wrapper that was bypassed.
+"""Watching local gradients: where a NaN came from, a wrapper that was bypassed.
+
+By default :class:`NonFiniteSentinel` reads one small gradient per backward for the first
+mistake; under the debug switch :class:`GradWatch` reads every one, and watches for the second.
 
 Two mistakes only the local gradients show, before the all-reduce mixes them:
 
@@ -38,6 +41,10 @@ from mini_ddp.engine.hook_groups import passive_hook
 from mini_ddp.errors import MiniDDPError
 
 logger = logging.getLogger("mini_ddp")
+
+SENTINEL_MAX_NUMEL = 4096
+"""The largest parameter the default NaN check reads per backward (see NonFiniteSentinel)."""
+DEBUG_HINT = "MINI_DDP_DEBUG=1"
 
 
 class WrapperBypassedError(MiniDDPError):
@@ -160,6 +167,124 @@ class GradWatch:
                 return
             self.board.post("verdict", text)
             raise WrapperBypassedError(text)
+
+
+class NonFiniteSentinel:
+    """By default: where a NaN/Inf came from, from one small gradient per backward.
+
+    A bad batch, a NaN loss or an overflow in the forward makes *every* local gradient
+    non-finite, the output layer's first among them. So one parameter is watched: the last
+    registered one of at most :data:`SENTINEL_MAX_NUMEL` elements (an output layer's bias, in
+    most models), whose gradient autograd computes near the start of backward. Its passive
+    tensor hook tests it with ``torch.isfinite(grad).all()``: on the host at once, before the
+    gradient's bucket launches; on a GPU the result is read at a later forward, once the kernel
+    has run (no device sync on the training path). A non-finite one is posted on the
+    :class:`~mini_ddp.checks.rank_board.RankBoard` — the only store traffic, and only then — and
+    the rank names where it came from: at once when a peer's record of an earlier step is up
+    (it is: the peer posted it before a launch this rank's all-reduces waited for), else at the
+    next forward, once every peer's record of the same step is up: this rank alone — "holds NaN in the backward of step 3, before
+    the all-reduce" —, an earlier rank — "came from rank 1" —, or every rank at once (the
+    weights were already non-finite: not one rank's batch). A NaN that starts deeper in backward
+    and never reaches the watched gradient is named only by the debug switch's per-gradient
+    check (:class:`GradWatch`), which replaces this one there. A warning, never an error.
+    """
+
+    def __init__(self, model: Any, board: Any):
+        self._model = weakref.ref(model)
+        self.board = board
+        reducer = model.reducer
+        small = [i for i, p in enumerate(reducer.params) if p.numel() <= SENTINEL_MAX_NUMEL]
+        self.index = small[-1] if small else len(reducer.params) - 1
+        self.name = reducer.names[self.index]
+        self._pending: tuple[int, torch.Tensor, torch.Tensor, Any] | None = None
+        self._found: tuple[int, str] | None = None  # (step, kind) posted, not yet named
+        self._told = False
+        self._handle = reducer.params[self.index].register_hook(
+            passive_hook(functools.partial(_sentinel_grad, weakref.ref(self))))
+
+    def remove(self) -> None:
+        """Take the hook off."""
+        self._handle.remove()
+
+    def local_grad(self, grad: torch.Tensor) -> None:
+        """The watched parameter's local gradient in a backward (its tensor hook)."""
+        model = self._model()
+        if model is None or self._told or self._found is not None or grad.is_sparse \
+                or not model.reducer.step.expect_hooks:
+            return  # gone, said, or not a synchronised backward (no_sync, a bare backward)
+        step = model.reducer.step.num_iterations
+        if not grad.is_cuda:  # on the host the test is done at once, before any launch
+            if not bool(torch.isfinite(grad).all()):
+                self._found_at(step, "NaN" if bool(torch.isnan(grad).any()) else "Inf")
+            return
+        ready = torch.cuda.Event()  # read at a later forward, once the kernels ran: no sync
+        ready.record()
+        self._pending = (step, torch.isfinite(grad).all(), torch.isnan(grad).any(), ready)
+
+    def forward(self) -> None:
+        """At each forward: read a result left on the device; name the origin once every
+        peer's record of its step is up."""
+        if self._told:
+            return
+        if self._found is not None:
+            self._name_origin(final=True)
+        elif self._pending is not None and self._pending[3].query():
+            self._read_pending()
+
+    def _read_pending(self) -> None:
+        step, finite, nan, _ = self._pending
+        self._pending = None
+        if not bool(finite):
+            self._found_at(step, "NaN" if bool(nan) else "Inf")
+
+    def _found_at(self, step: int, kind: str) -> None:
+        self._found = (step, kind)
+        self.board.post("nonfinite", {"step": step, "param": self.name, "kind": kind})
+        self._name_origin(final=False)
+
+    def _name_origin(self, final: bool) -> None:
+        """Say where the NaN/Inf came from. Not ``final``: only if a peer's record of an
+        earlier step is already up (it is, if there is one); else at the next forward."""
+        step, kind = self._found
+        records = {self.board.rank: {"step": step, "param": self.name, "kind": kind}}
+        for rank in self.board.peers:
+            record = self.board.read("nonfinite", rank)
+            if record is not None:
+                records[rank] = record
+        first = min(r["step"] for r in records.values())
+        if not final and first == step:
+            return  # a peer's record of this same step may not be up yet
+        self._told = True
+        origin = sorted(rank for rank, r in records.items() if r["step"] == first)
+        me = self.board.rank
+        if origin == [me]:
+            logger.warning(
+                "mini_ddp: rank %d: the local gradient of '%s' holds %s in the backward of "
+                "step %d, before the all-reduce, and no other rank's did: it comes from this "
+                "rank's batch or forward (a bad sample, a log of zero, an overflow); the "
+                "all-reduce spreads it to every rank. See docs/debugging.md.",
+                me, self.name, kind, step)
+        elif len(origin) == 1:
+            record = records[origin[0]]
+            logger.warning(
+                "mini_ddp: rank %d: the %s in every rank's gradients since step %d came from "
+                "rank %d: its local gradient of '%s' held %s before the all-reduce. This "
+                "rank's own local gradient of '%s' was finite then. See docs/debugging.md.",
+                me, record["kind"], first, origin[0], record["param"], record["kind"],
+                self.name)
+        else:
+            logger.warning(
+                "mini_ddp: rank %d: ranks %s all computed a local gradient of '%s' holding "
+                "%s in the backward of step %d, before the all-reduce: not one rank's batch — "
+                "the weights were already non-finite, or every rank's data or loss is. "
+                "%s checks each gradient to find where it started. See docs/debugging.md.",
+                me, origin, self.name, kind, first, DEBUG_HINT)
+
+
+def _sentinel_grad(sentinel_ref: weakref.ref, grad: torch.Tensor) -> None:
+    sentinel = sentinel_ref()
+    if sentinel is not None:
+        sentinel.local_grad(grad)
 
 
 def _local_grad(watch_ref: weakref.ref, index: int, grad: torch.Tensor) -> None:
