@@ -132,3 +132,26 @@ def test_checksum_sees_every_bit_and_every_position(dtype):
         assert not torch.equal(checksum(bumped), checksum(t))
         assert not torch.equal(checksum(torch.tensor([0.0], dtype=dtype)),
                                checksum(torch.tensor([-0.0], dtype=dtype)))
+
+
+def test_bits_hashes_name_each_single_tensor_that_differs():
+    """One element changed in any one tensor (large, small, odd-sized, 8-byte, offset view)
+    changes that tensor's hash and no other's: the replica check names exactly it."""
+    from mini_ddp.checks.replicas import bits_hashes
+    torch.manual_seed(0)
+    tensors = [torch.randn(40000), torch.randn(40001), torch.randn(64), torch.randn(64),
+               torch.randn(3), torch.randn(5, dtype=torch.float64), torch.randn(7, dtype=torch.float16),
+               torch.randn(70000)[1:69999], torch.tensor(3, dtype=torch.int64), torch.randn(0)]
+    base = bits_hashes(tensors)
+    for i, t in enumerate(tensors):
+        if not t.numel():
+            continue
+        changed = t.contiguous().clone()
+        flat = changed.view(-1)
+        flat[-1] = flat[-1] + 1 if not t.is_floating_point() else \
+            flat[-1].nextafter(torch.tensor(float("inf"), dtype=t.dtype))
+        got = bits_hashes(tensors[:i] + [changed] + tensors[i + 1:])
+        assert [j for j in range(len(tensors)) if got[j] != base[j]] == [i]
+    swapped = tensors[2].clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert bits_hashes([swapped]) != bits_hashes([tensors[2]])

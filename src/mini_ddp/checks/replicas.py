@@ -5,10 +5,18 @@ averaged gradients), and says nothing when a script breaks that: the ranks then 
 different models, or the same model on the same batches, for the whole run. Two checks, run by
 every :class:`~mini_ddp.engine.model.DataParallelModel` unless ``replica_check_every=None``:
 
-* **Identical data.** The first synchronised backward hashes each parameter's *local* gradient
-  (a tensor hook, before the all-reduce; removed after that step); at the next forward the ranks
-  compare their hashes. Equal hashes on every rank mean every rank computed on the same batch
-  — no ``DistributedSampler`` — and the warning says so.
+* **Identical data.** The first synchronised backward hashes the *local* gradients (a tensor
+  hook per parameter, before the all-reduce) of the first ``_DATA_GRADS`` (8) parameters whose
+  gradients arrive — the last layers' — into one integer each (the sum of its bits as 8-byte
+  words: one pass, no copy); the other hooks go then, the rest at the next forward, where the
+  ranks compare their hashes. Equal hashes on every rank mean every rank computed on the same
+  batch — no ``DistributedSampler`` — and the warning says so. The first gradients suffice:
+  on the same batch every gradient is bitwise the same on every rank (same model, same
+  kernels), and on different batches the last layer's gradient — a sum over the batch of
+  its inputs times the loss's gradient — differs, and its hash with it, save by a 2^-64
+  chance. Hashing all of them cost a float64 sum and an ``abs()`` copy per gradient (ResNet-18:
+  11.7 M elements, three passes); the first 8 are ResNet-18's ``fc`` and last block's
+  (4.7 M elements, one pass, no copy).
 * **Diverging replicas.** At the first synchronised forward and every ``replica_check_every``
   (100) after it, right after the buffer broadcast, each rank hashes the exact bits of its
   parameters (and of the buffers, when they were just broadcast), lists the modules it runs in
@@ -32,9 +40,10 @@ Neither runs a collective (one on the model's group could pair with another rank
 job that is already out of step): the ranks post their hashes on a
 :class:`~mini_ddp.checks.rank_board.RankBoard` and read the others' at the next synchronised
 forward, by which time every peer has posted — its backward could not have finished without
-this rank's. Cost: hashing the parameters once per check (two integer sums over their bits),
-one store ``set`` and one ``check`` + ``get`` per rank; docs/debugging.md has the measured
-figure. By default a difference is a WARNING on the ``"mini_ddp"`` logger, once per kind; under
+this rank's. Cost: hashing the parameters once per check (:func:`bits_hashes`: one integer
+sum over a large tensor's bits, two for each small one, all the small ones together in a
+few kernels, one ``tolist``), one store ``set`` and one ``check`` + ``get`` per rank;
+docs/debugging.md has the measured figure. By default a difference is a WARNING on the ``"mini_ddp"`` logger, once per kind; under
 mini_ddp's debug switch (:func:`mini_ddp.checks.debug.debug_requested`) it raises
 :class:`ReplicasDifferError` on every rank.
 
@@ -73,6 +82,7 @@ logger = logging.getLogger("mini_ddp")
 
 DEFAULT_EVERY = 100
 """Synchronised steps between two replica checks (the first is at step 1)."""
+_DATA_GRADS = 8  # local gradients hashed for the identical-data check (module docstring)
 _PATIENCE = 20  # forwards to wait for a peer's record before dropping a comparison (join)
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PREFIX = "mini_ddp (replica check): "
@@ -85,17 +95,70 @@ class ReplicasDifferError(MiniDDPError):
     """The ranks hold different models (tensors, train/eval modes or parameter sets)."""
 
 
-def bits_hash(tensor: torch.Tensor) -> list[int]:
-    """Two integers from ``tensor``'s exact bits: the sum of its elements read as integers,
-    and the same over its even positions (so two swapped neighbours still differ)."""
+def _int_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s exact bits, flat, as integers of its element size (no copy when it is
+    contiguous)."""
     t = tensor.detach()
     if t.is_sparse:
         t = t.coalesce().values()
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.contiguous().view(-1)
-    ints = flat.view(_INT_OF_SIZE[flat.element_size()])
-    return [int(ints.sum(dtype=torch.int64)), int(ints[::2].sum(dtype=torch.int64))]
+    return flat.view(_INT_OF_SIZE[flat.element_size()])
+
+
+def _word_sums(rows: torch.Tensor) -> torch.Tensor:
+    """One pass over ``rows`` (``[k, n]`` integers: k tensors' bits, a row each): ``[k, 1]``
+    sums of each row's 8-byte words (int64 sums wrap, exactly), or ``[k, 2]`` where a row
+    cannot be read as words. A word holds 2 float32s (4 halves, 8 bytes): one element that
+    changes moves its row's sum by its bit difference (under 2^(8·size)) times 2^(8·size·its
+    place in the word), never 0 mod 2^64, and two different neighbours swapped in a word move
+    it too. Rows that are not whole words (8-byte elements, an odd length or offset) get two
+    sums: of their elements read as integers, and of the even positions (so two swapped
+    neighbours still differ)."""
+    per_word = 8 // rows.element_size()
+    if per_word > 1 and rows.shape[1] and rows.shape[1] % per_word == 0 \
+            and rows.storage_offset() % per_word == 0:
+        return rows.view(torch.int64).sum(1, keepdim=True)
+    return torch.stack([rows.sum(1, dtype=torch.int64), rows[:, ::2].sum(1, dtype=torch.int64)],
+                       dim=1)
+
+
+def _as_lists(sums: list[torch.Tensor]) -> list[list[int]]:
+    """The rows of ``sums`` (``[k, m]`` tensors) as lists of ints, one ``tolist`` per device,
+    not one ``int()`` per value."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in sums:
+        by_device.setdefault(t.device, []).append(t)
+    rows = {device: iter(torch.cat([t.view(-1) for t in ts]).tolist())
+            for device, ts in by_device.items()}
+    return [[next(rows[t.device]) for _ in range(t.shape[1])]
+            for t in sums for _ in range(t.shape[0])]
+
+
+_SMALL = 1 << 15  # elements: below this a tensor's own sum costs more in launches than in data
+
+
+def bits_hashes(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Integers from each tensor's exact bits, for the replica check (:func:`_word_sums`), in
+    a few kernels for all the tensors and one ``tolist`` per device: a large tensor
+    (``_SMALL`` elements or more) is read in place, one pass; the small ones of one size,
+    dtype width and device are stacked (a copy, cheaper than a kernel each) and summed
+    together. Any one element that differs changes its tensor's integers."""
+    views = [_int_view(t) for t in tensors]
+    groups: dict[Any, list[int]] = {}
+    for i, ints in enumerate(views):
+        n = ints.numel()
+        key = i if n >= _SMALL else (ints.device, n, ints.element_size())
+        groups.setdefault(key, []).append(i)
+    order = [i for members in groups.values() for i in members]
+    sums = [_word_sums(views[members[0]].unsqueeze(0)) if len(members) == 1
+            else _word_sums(torch.stack([views[i] for i in members]))
+            for members in groups.values()]
+    out: list[list[int]] = [[] for _ in views]
+    for i, hashed in zip(order, _as_lists(sums), strict=True):
+        out[i] = hashed
+    return out
 
 
 def identical_groups(values: dict[int, Any]) -> list[list[int]]:
@@ -132,7 +195,7 @@ class ReplicaCheck:
                  strict: bool = False):
         self._model = weakref.ref(model)
         self.board, self.every, self.strict = board, every, strict
-        self._first: dict[int, list[float] | None] = {}  # param index -> local gradient hash
+        self._first: dict[int, torch.Tensor | None] = {}  # param index -> local gradient hash
         self._first_step: int | None = None
         self._grad_hooks: list[Any] = []
         self._pending: dict[str, int] = {}  # board key -> forwards waited for it
@@ -169,18 +232,23 @@ class ReplicaCheck:
             self._first_step = model.reducer.step.num_iterations
         if grad is None:
             return  # an output left out of the loss: autograd hands the hook no gradient
-        if index not in self._first:
-            self._first[index] = [float(grad.sum(dtype=torch.float64)),
-                                  float(grad.abs().sum(dtype=torch.float64))] \
-                if not grad.is_sparse else None
+        if index in self._first or len(self._first) >= _DATA_GRADS:
+            return
+        self._first[index] = None if grad.is_sparse else _word_sums(_int_view(grad)[None])
+        if len(self._first) == _DATA_GRADS:  # enough: the other parameters' hooks go now
+            for other, handle in enumerate(self._grad_hooks):  # (this one's, which torch is
+                if other != index:  # running, at the next forward)
+                    handle.remove()
 
     def _post_first_grads(self) -> None:
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
-        sums = [self._first.get(i) for i in range(len(self.model.reducer.params))]
+        hashed = sorted(i for i, h in self._first.items() if h is not None)
+        lists = dict(zip(hashed, _as_lists([self._first[i] for i in hashed]), strict=True))
+        sums = [(i, lists.get(i)) for i in sorted(self._first)]
         digest = hashlib.sha1(repr(sums).encode()).hexdigest()
-        zero = all(s is None or s == [0.0, 0.0] for s in sums)
+        zero = all(h is None or not any(h) for _, h in sums)
         self.board.post("first_grads", {"step": self._first_step, "hash": digest, "zero": zero})
         self._pending["first_grads"] = 0
 
@@ -223,7 +291,7 @@ class ReplicaCheck:
         unsynced = [n for n, p in module.named_parameters()
                     if p.requires_grad and n not in ignore and n not in synced]
         record = {"step": step, "names": [n for n, _ in tensors],
-                  "hashes": [bits_hash(t) for _, t in tensors],
+                  "hashes": bits_hashes([t for _, t in tensors]),
                   "eval": [n or type(module).__name__ for n, m in module.named_modules()
                            if not m.training],
                   "unsynced": unsynced, "off_step_broadcasts": self.off_step_broadcasts}
