@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from ddp_optimizer_spy import spy_on_ddp_optimizer
 from helpers.ranks import run_ranks
+from helpers.shared_runs import shared_result
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -221,15 +222,17 @@ CASES = {2: {**{("breaks", k): v for k, v in GRAPH_BREAK_CASES.items()},
 
 
 @pytest.fixture(scope="module")
-def compared():
+def compared(request):
     """``compared(world_size, group, case)``: that case's rows (one per rank), from one launch
-    per world size, made when a test first asks for that world size."""
+    per world size and test run (shared by parallel workers), made when a test first asks for
+    that world size."""
     launches: dict[int, list[dict]] = {}
 
     def rows(world_size: int, group: str, case: str) -> list[dict[str, Any]]:
         if world_size not in launches:
-            launches[world_size] = run_ranks(_compare, world_size, (CASES[world_size],),
-                                             timeout_s=580)
+            launches[world_size] = shared_result(
+                request, f"test_compile_ws{world_size}",
+                lambda: run_ranks(_compare, world_size, (CASES[world_size],), timeout_s=580))
         return [ranks_rows[(group, case)] for ranks_rows in launches[world_size]]
 
     return rows
@@ -313,15 +316,15 @@ def _compare_python_reducer_backends(ctx, backends: tuple[str, ...], steps: int)
 
 
 @pytest.fixture(scope="module")
-def python_reducer_runs() -> dict[str, list[dict[str, Any]]]:
+def python_reducer_runs(request) -> dict[str, list[dict[str, Any]]]:
     """Both backends' runs, per rank, from one launch of their own: the mode sets dynamo's
     config for the whole process, and torch DDP built in it sets inductor's
     ``_fuse_ddp_communication``, so the cases above must not run after it. The two backends
     can share: each sets the same config, each engine's run starts from ``torch._dynamo.reset()``
     (which resets compiled autograd too), and torch DDP sets the inductor flag on construction,
     before its own compile, as it does in a fresh process."""
-    results = run_ranks(_compare_python_reducer_backends, 3, (("aot_eager", "inductor"), 3),
-                        timeout_s=400)
+    results = shared_result(request, "test_compile_python_reducer", lambda: run_ranks(
+        _compare_python_reducer_backends, 3, (("aot_eager", "inductor"), 3), timeout_s=400))
     return {backend: [runs[backend] for runs in results] for backend in ("aot_eager", "inductor")}
 
 
