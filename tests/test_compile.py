@@ -11,7 +11,9 @@ Each case runs torch DDP and DataParallelModel one after the other in the same r
 copies of one model and the same per-rank data, and compares every gradient after every
 backward and every parameter after the last step with ``torch.equal``. World size 3 is the
 one that can tell bucket layouts apart (Gloo's sum order depends on where an element sits in
-its buffer); 2 is run as well.
+its buffer); 2 is run as well. The cases of one world size share one launch (compiling is
+the cost; a fresh set of ranks would pay dynamo's and inductor's first-compile warm-up again),
+and each test reads its own case's rows.
 
 The bitwise models are small (inductor's compile on two shared CPU cores is the cost); the
 graph-break count also covers torchvision's ResNet-18 under ``aot_eager``.
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from ddp_optimizer_spy import spy_on_ddp_optimizer
 from helpers.ranks import run_ranks
+from helpers.shared_runs import shared_result
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -157,13 +160,13 @@ def _train(engine: type, model_name: str, base: nn.Module, backend: str, order: 
             "ddp_optimizer": list(calls)}
 
 
-def _compare(ctx, cases: list[tuple], steps: int) -> list[dict[str, Any]]:
-    """Per (model, backend, order[, DDP keywords]): torch DDP's run and ours, compared on this
-    rank."""
+def _compare(ctx, cases: dict[str, tuple]) -> dict[str, dict[str, Any]]:
+    """Per named (model, backend, order, DDP keywords, steps): torch DDP's run and ours,
+    compared on this rank. ``_train`` resets dynamo before each run, so a case compiles as in
+    a fresh process whatever ran before it in this one."""
     calls = spy_on_ddp_optimizer()
-    out = []
-    for model_name, backend, order, *keywords in cases:
-        kwargs = keywords[0] if keywords else {}
+    out = {}
+    for case_id, (model_name, backend, order, kwargs, steps) in cases.items():
         torch.manual_seed(ctx.rank)  # a different model per rank: the start-up broadcast counts
         base = MODELS[model_name][0]()
         ddp = _train(DDP, model_name, base, backend, order, steps, ctx.rank, calls, kwargs)
@@ -177,62 +180,99 @@ def _compare(ctx, cases: list[tuple], steps: int) -> list[dict[str, Any]]:
                            zip(ddp["params"], mini["params"], strict=True))
         max_diff = max((a - b).abs().max().item() for a, b in
                        zip(ddp["params"], mini["params"], strict=True))
-        out.append({"case": (model_name, backend, order, kwargs), "grads_equal": grads_equal,
-                    "params_equal": params_equal, "max_param_diff": max_diff,
-                    **{f"{k}_{name}": run[k] for name, run in (("ddp", ddp), ("mini", mini))
-                       for k in ("graph_breaks", "break_reasons", "ddp_optimizer")}})
+        out[case_id] = {"case": (model_name, backend, order, kwargs, steps),
+                        "grads_equal": grads_equal, "params_equal": params_equal,
+                        "max_param_diff": max_diff,
+                        **{f"{k}_{name}": run[k] for name, run in (("ddp", ddp), ("mini", mini))
+                           for k in ("graph_breaks", "break_reasons", "ddp_optimizer")}}
     return out
 
 
-def _check_bitwise(results: list[list[dict[str, Any]]]) -> None:
-    for rank, rows in enumerate(results):
-        for row in rows:
-            where = f"rank {rank}, {row['case']}"
-            assert row["ddp_optimizer_mini"] == row["ddp_optimizer_ddp"], where
-            assert all(row["grads_equal"]), (where, row["grads_equal"], row["max_param_diff"])
-            assert row["params_equal"], (where, row["max_param_diff"])
+def _check_bitwise(rows: list[dict[str, Any]]) -> None:
+    """One case's rows, one per rank."""
+    for rank, row in enumerate(rows):
+        where = f"rank {rank}, {row['case']}"
+        assert row["ddp_optimizer_mini"] == row["ddp_optimizer_ddp"], where
+        assert len(row["grads_equal"]) == row["case"][-1], where  # every step was compared
+        assert all(row["grads_equal"]), (where, row["grads_equal"], row["max_param_diff"])
+        assert row["params_equal"], (where, row["max_param_diff"])
 
 
-@pytest.mark.timeout(300)
-def test_graph_breaks_at_most_torch_ddps_and_same_ddp_optimizer_split():
-    cases = [(name, "aot_eager", "outer") for name in ("mlp", "transformer", "resnet18")]
-    results = run_ranks(_compare, 2, (cases, 3), timeout_s=280)
-    for row in results[0]:
-        where = (row["case"], row["break_reasons_mini"], row["break_reasons_ddp"])
-        assert row["graph_breaks_mini"] <= row["graph_breaks_ddp"], where
-        # The spy saw DDPOptimizer split a graph for torch DDP: so it must have for ours.
-        assert row["ddp_optimizer_ddp"], row["case"]
-    by_name = {row["case"][0]: row for row in results[0]}
-    # The MLP's graph is split in two, so its gradients arrive bucket by bucket: a different
-    # ready order (and rebuilt buckets) would show in the bits at world size 3.
-    assert by_name["mlp"]["ddp_optimizer_ddp"] == [(25 * 2**20, 2)]
-    _check_bitwise(results)
+# The cases, by test: (model, backend, order, DDP keywords, steps).
+GRAPH_BREAK_CASES = {name: (name, "aot_eager", "outer", {}, 3)
+                     for name in ("mlp", "transformer", "resnet18")}
+AOT_EAGER_CASES = {f"{name}-{order}": (name, "aot_eager", order, {}, 4)
+                   for name in ("mlp", "transformer", "cnn") for order in ("outer", "inner")}
+KEYWORD_CASES = {"-".join(kwargs): ("mlp", "aot_eager", "outer", kwargs, 4) for kwargs in (
+    {"find_unused_parameters": True}, {"static_graph": True},
+    {"gradient_as_bucket_view": True}, {"bucket_cap_mb": 1}, {"no_sync_every_other": True})}
+KEYWORD_CASES["find_unused_parameters-unused_layer"] = (
+    "mlp_unused", "aot_eager", "outer", {"find_unused_parameters": True}, 4)
+INDUCTOR_CASES = {order: ("mlp", "inductor", order, {}, 3) for order in ("outer", "inner")}
+# What each world size runs: the tests below read their cases from one launch per world size.
+# Sharing the ranks keeps each case's meaning: _train resets dynamo (its caches, counters and
+# compiled code) before every run, and no case changes dynamo's or inductor's config. The
+# compiled-autograd cases do, so they have ranks of their own (further down).
+CASES = {2: {**{("breaks", k): v for k, v in GRAPH_BREAK_CASES.items()},
+             **{("aot_eager", k): v for k, v in AOT_EAGER_CASES.items()},
+             **{("inductor", k): v for k, v in INDUCTOR_CASES.items()}},
+         3: {**{("aot_eager", k): v for k, v in AOT_EAGER_CASES.items()},
+             **{("keywords", k): v for k, v in KEYWORD_CASES.items()},
+             **{("inductor", k): v for k, v in INDUCTOR_CASES.items()}}}
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def compared(request):
+    """``compared(world_size, group, case)``: that case's rows (one per rank), from one launch
+    per world size and test run (shared by parallel workers), made when a test first asks for
+    that world size."""
+    launches: dict[int, list[dict]] = {}
+
+    def rows(world_size: int, group: str, case: str) -> list[dict[str, Any]]:
+        if world_size not in launches:
+            launches[world_size] = shared_result(
+                request, f"test_compile_ws{world_size}",
+                lambda: run_ranks(_compare, world_size, (CASES[world_size],), timeout_s=580))
+        return [ranks_rows[(group, case)] for ranks_rows in launches[world_size]]
+
+    return rows
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", GRAPH_BREAK_CASES)
+def test_graph_breaks_at_most_torch_ddps_and_same_ddp_optimizer_split(compared, name):
+    rows = compared(2, "breaks", name)
+    row = rows[0]
+    where = (row["case"], row["break_reasons_mini"], row["break_reasons_ddp"])
+    assert row["graph_breaks_mini"] <= row["graph_breaks_ddp"], where
+    # The spy saw DDPOptimizer split a graph for torch DDP: so it must have for ours.
+    assert row["ddp_optimizer_ddp"], row["case"]
+    if name == "mlp":
+        # The MLP's graph is split in two, so its gradients arrive bucket by bucket: a
+        # different ready order (and rebuilt buckets) would show in the bits at world size 3.
+        assert row["ddp_optimizer_ddp"] == [(25 * 2**20, 2)]
+    _check_bitwise(rows)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", AOT_EAGER_CASES)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_aot_eager_bitwise_equal_to_torch_ddp_both_orders(world_size):
-    cases = [(name, "aot_eager", order) for name in ("mlp", "transformer", "cnn")
-             for order in ("outer", "inner")]
-    _check_bitwise(run_ranks(_compare, world_size, (cases, 4), timeout_s=280))
+def test_aot_eager_bitwise_equal_to_torch_ddp_both_orders(compared, world_size, case):
+    _check_bitwise(compared(world_size, "aot_eager", case))
 
 
-@pytest.mark.timeout(300)
-def test_ddp_keywords_under_compile_bitwise_equal_to_torch_ddp():
-    cases = [("mlp", "aot_eager", "outer", kwargs) for kwargs in (
-        {"find_unused_parameters": True}, {"static_graph": True},
-        {"gradient_as_bucket_view": True}, {"bucket_cap_mb": 1},
-        {"no_sync_every_other": True})]
-    cases.append(("mlp_unused", "aot_eager", "outer", {"find_unused_parameters": True}))
-    _check_bitwise(run_ranks(_compare, 3, (cases, 4), timeout_s=280))
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", KEYWORD_CASES)
+def test_ddp_keywords_under_compile_bitwise_equal_to_torch_ddp(compared, case):
+    _check_bitwise(compared(3, "keywords", case))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("order", INDUCTOR_CASES)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_inductor_bitwise_equal_to_torch_ddp_both_orders(world_size):
-    cases = [("mlp", "inductor", order) for order in ("outer", "inner")]
-    _check_bitwise(run_ranks(_compare, world_size, (cases, 3), timeout_s=580))
+def test_inductor_bitwise_equal_to_torch_ddp_both_orders(compared, world_size, order):
+    _check_bitwise(compared(world_size, "inductor", order))
 
 
 # ---- compiled autograd: torch DDP's python reducer ------------------------------------------
@@ -271,14 +311,33 @@ def _compare_python_reducer(ctx, backend: str, steps: int) -> dict[str, Any]:
     return runs
 
 
-@pytest.mark.timeout(300)
+def _compare_python_reducer_backends(ctx, backends: tuple[str, ...], steps: int) -> dict:
+    return {backend: _compare_python_reducer(ctx, backend, steps) for backend in backends}
+
+
+@pytest.fixture(scope="module")
+def python_reducer_runs(request) -> dict[str, list[dict[str, Any]]]:
+    """Both backends' runs, per rank, from one launch of their own: the mode sets dynamo's
+    config for the whole process, and torch DDP built in it sets inductor's
+    ``_fuse_ddp_communication``, so the cases above must not run after it. The two backends
+    can share: each sets the same config, each engine's run starts from ``torch._dynamo.reset()``
+    (which resets compiled autograd too), and torch DDP sets the inductor flag on construction,
+    before its own compile, as it does in a fresh process."""
+    results = shared_result(request, "test_compile_python_reducer", lambda: run_ranks(
+        _compare_python_reducer_backends, 3, (("aot_eager", "inductor"), 3), timeout_s=400))
+    return {backend: [runs[backend] for runs in results] for backend in ("aot_eager", "inductor")}
+
+
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_compiled_autograd_python_reducer_bitwise_equal_to_torch_ddp(backend):
-    results = run_ranks(_compare_python_reducer, 3, (backend, 3), timeout_s=280)
+def test_compiled_autograd_python_reducer_bitwise_equal_to_torch_ddp(python_reducer_runs,
+                                                                     backend):
+    results = python_reducer_runs[backend]
     for rank, runs in enumerate(results):
         ddp, mini = runs["ddp"], runs["mini"]
         assert mini["captures"] == ddp["captures"] >= 1, rank  # compiled autograd ran
         assert mini["graph_breaks"] <= ddp["graph_breaks"], rank
+        assert len(ddp["grads"]) == len(mini["grads"]) == 3, rank
         for step, (ga, gb) in enumerate(zip(ddp["grads"], mini["grads"], strict=True)):
             assert all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True)), (rank, step)
         assert all(torch.equal(a, b) for a, b in zip(ddp["params"], mini["params"], strict=True))
