@@ -209,7 +209,8 @@ class NonFiniteSentinel:
     def local_grad(self, grad: torch.Tensor) -> None:
         """The watched parameter's local gradient in a backward (its tensor hook)."""
         model = self._model()
-        if model is None or self._told or self._found is not None or grad.is_sparse \
+        if model is None or self._told or self._found is not None or grad is None \
+                or grad.is_sparse \
                 or not model.reducer.step.expect_hooks:
             return  # gone, said, or not a synchronised backward (no_sync, a bare backward)
         step = model.reducer.step.num_iterations
