@@ -126,11 +126,7 @@ class GradWatch:
                 continue  # this rank's came first: it said so
             own = "" if self._nonfinite_step == record["step"] else \
                 " This rank's own local gradients were finite then."
-            logger.warning(
-                "mini_ddp: rank %d: the %s in every rank's gradients since step %d came from "
-                "rank %d: its local gradient of '%s' held %s before the all-reduce.%s See "
-                "docs/debugging.md.", self.board.rank, record["kind"], record["step"], rank,
-                record["param"], record["kind"], own)
+            _warn_came_from(self.board.rank, rank, record, own)
 
     # ---- the bypassed wrapper, and the backward's fingerprint ------------------------------
     def accumulated(self, index: int) -> None:
@@ -182,9 +178,9 @@ class NonFiniteSentinel:
     :class:`~mini_ddp.checks.rank_board.RankBoard` — the only store traffic, and only then — and
     the rank names where it came from: at once when a peer's record of an earlier step is up
     (it is: the peer posted it before a launch this rank's all-reduces waited for), else at the
-    next forward, once every peer's record of the same step is up: this rank alone — "holds NaN in the backward of step 3, before
-    the all-reduce" —, an earlier rank — "came from rank 1" —, or every rank at once (the
-    weights were already non-finite: not one rank's batch). A NaN that starts deeper in backward
+    next forward, once every peer's record of the same step is up: this rank alone — "holds
+    NaN in the backward of step 3, before the all-reduce" —, an earlier rank — "came from rank
+    1" —, or every rank at once (the weights were already non-finite: not one rank's batch). A NaN that starts deeper in backward
     and never reaches the watched gradient is named only by the debug switch's per-gradient
     check (:class:`GradWatch`), which replaces this one there. A warning, never an error.
     """
@@ -266,13 +262,8 @@ class NonFiniteSentinel:
                 "all-reduce spreads it to every rank. See docs/debugging.md.",
                 me, self.name, kind, step)
         elif len(origin) == 1:
-            record = records[origin[0]]
-            logger.warning(
-                "mini_ddp: rank %d: the %s in every rank's gradients since step %d came from "
-                "rank %d: its local gradient of '%s' held %s before the all-reduce. This "
-                "rank's own local gradient of '%s' was finite then. See docs/debugging.md.",
-                me, record["kind"], first, origin[0], record["param"], record["kind"],
-                self.name)
+            _warn_came_from(me, origin[0], records[origin[0]],
+                           f" This rank's own local gradient of '{self.name}' was finite then.")
         else:
             logger.warning(
                 "mini_ddp: rank %d: ranks %s all computed a local gradient of '%s' holding "
@@ -280,6 +271,15 @@ class NonFiniteSentinel:
                 "the weights were already non-finite, or every rank's data or loss is. "
                 "%s checks each gradient to find where it started. See docs/debugging.md.",
                 me, origin, self.name, kind, first, DEBUG_HINT)
+
+
+def _warn_came_from(me: int, rank: int, record: dict[str, Any], own: str) -> None:
+    """Say on rank ``me`` that the NaN/Inf of ``record`` (a peer's "nonfinite" post) came from
+    ``rank``; ``own``: what this rank's own gradients were then ("" if not known)."""
+    logger.warning(
+        "mini_ddp: rank %d: the %s in every rank's gradients since step %d came from rank %d: "
+        "its local gradient of '%s' held %s before the all-reduce.%s See docs/debugging.md.",
+        me, record["kind"], record["step"], rank, record["param"], record["kind"], own)
 
 
 def _sentinel_grad(sentinel_ref: weakref.ref, grad: torch.Tensor) -> None:
