@@ -85,8 +85,12 @@ NAMED = [
     ("extra_forward", False, 1, "an extra forward through the wrapper on rank 0 — a forward "
                                 "rank 1 did not run"),
     ("uneven", True, 0, "uneven inputs"),
+    ("uneven", False, 0, "(rank 0 is at step 6, rank 1 at step 5) and rank 1 went on past its "
+                         "loop — uneven inputs"),
     ("one_rank_collective", True, 1, "rank 0 is inside torch.distributed.all_reduce (called at "
                                      "train.py"),
+    ("one_rank_collective", False, 1, "rank 0 is inside torch.distributed.all_reduce (called "
+                                      "at train.py"),
     ("stuck", False, 0, "rank 1: has not reached bucket"),
     ("stuck", False, 0, "in main: time.sleep(40)"),
 ]
@@ -191,3 +195,13 @@ def test_a_killed_rank_is_said_to_have_most_likely_died_under_attach(debug: bool
     rank0 = text.split("--- rank 0 ---")[1].split("--- rank 1 ---")[0]
     assert "Another rank has most likely died" in rank0, rank0
     assert "finished" not in rank0 and "uneven inputs" not in rank0, rank0
+
+
+@pytest.mark.parametrize("mistake", ["uneven", "one_rank_collective"])
+def test_a_broadcast_that_can_never_pair_ends_the_mini_run_at_defaults(mistake: str) -> None:
+    # DataParallelModel waits for its buffer broadcast itself: the stall report's verdict ends
+    # the run (torch DDP's C++ broadcast, under attach, waits for the process group's timeout).
+    out = _output(mistake, "mini", False)
+    waiting = 0 if mistake == "uneven" else 1
+    assert told(out, waiting).startswith(f"[rank {waiting}] SyncMismatchError: mini_ddp: rank "
+                                         f"{waiting} waited 3 s in the broadcast of the buffers"), out

@@ -31,12 +31,13 @@ def short_waits(mistake: str, debug: bool) -> dict[str, str]:
     The stall warning's limit (``STALL_S``; under the switch also the collective check's wait
     before it asks a late peer for its stack) where a peer is stuck or can never come: its
     stack says why, however long the wait was. An extra forward with grad deadlocks the ranks
-    at defaults: the stall report names it, and the process group's timeout (``TIMEOUT_S``,
-    a hang bound: far past the report) then ends the run."""
+    at defaults, and so do uneven inputs and a collective on one rank under ``attach`` (torch's
+    broadcast cannot be interrupted): the stall report names it, and the process group's
+    timeout (``TIMEOUT_S``, a hang bound: far past the report) then ends the run."""
     env = {}
     if mistake in ("stuck", "uneven", "one_rank_collective", "extra_forward"):
         env["STALL_S"] = SHORT_STALL_S
-    if mistake == "extra_forward" and not debug:
+    if mistake in ("extra_forward", "uneven", "one_rank_collective") and not debug:
         env["TIMEOUT_S"] = f"{hang_bound(20):g}"
     return env
 

@@ -14,7 +14,6 @@ engine's observer interface (:mod:`mini_ddp.engine.observer`) when imported here
 import mini_ddp.checks  # noqa: F401  (registers the checks every model wears)
 import mini_ddp.watch  # noqa: F401  (registers the stall warning and its flight log)
 from mini_ddp.attach import attach
-from mini_ddp.checks.fingerprint import SyncMismatchError
 from mini_ddp.checks.grad_watch import WrapperBypassedError
 from mini_ddp.checks.replicas import DesyncDetector, DesyncError, ReplicasDifferError, check_in_sync
 from mini_ddp.engine.comm import ParameterMismatchError
@@ -29,6 +28,7 @@ from mini_ddp.errors import (
     GradSyncTimeout,
     MarkedTwiceError,
     MiniDDPError,
+    SyncMismatchError,
     UnfinishedReductionError,
 )
 from mini_ddp.observe.explain import explain

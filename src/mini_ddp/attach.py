@@ -20,8 +20,8 @@ honouring ``MINI_DDP_DEBUG=1``. ``attach`` works only through torch's public sur
 What it runs: the replica check (identical data, weights loaded on one rank, a rank left in
 ``eval()``, a parameter added after wrapping) and the bypassed-wrapper warning always; the finish
 marks (a rank that finished is not called dead: a failed bucket future logs what the store
-says); the stall warning, naming the ranks that have not reached a bucket and their Python
-stacks; under the debug switch the collective fingerprints (an extra forward on one rank, uneven
+says); the stall warning, naming the ranks that have not reached a bucket (or torch's buffer
+broadcast before a forward: uneven inputs, a collective on one rank) and their Python stacks; under the debug switch the collective fingerprints (an extra forward on one rank, uneven
 inputs, a collective on one rank only) and the NaN watch. The checks themselves are the ones a
 DataParallelModel runs (:class:`mini_ddp.checks.debug.SyncChecks`), given a small view of the DDP
 model that exposes what they read.
@@ -55,7 +55,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from mini_ddp.checks.debug import SyncChecks, debug_requested
 from mini_ddp.checks.grad_watch import GradWatch
 from mini_ddp.errors import DEBUG_HINT
-from mini_ddp.watch.bounded_store import StoreUnanswered, bounded_store_call, default_store
+from mini_ddp.watch.bounded_store import StoreUnanswered, default_store
 from mini_ddp.watch.peers import explain_peers, note_mistake, peer_states, watch
 from mini_ddp.watch.stacks import (
     ANSWER_S,
@@ -64,6 +64,7 @@ from mini_ddp.watch.stacks import (
     extra_forward,
     start_responder,
 )
+from mini_ddp.watch.stall import broadcast_report, late_ranks
 
 __all__ = ["Attachment", "attach", "attachment"]
 
@@ -137,6 +138,7 @@ class Attachment:
         self._broadcast = False  # and broadcast the buffers
         self._armed_task: int | None = None
         self._pending: dict[int, tuple[float, int]] = {}  # bucket index -> (launched, step)
+        self._broadcasting: tuple[float, int] | None = None  # torch's buffer broadcast: (since, step)
         self._reported_step: int | None = None
         self._told_failure = False  # one failure told: the process group is unusable after it
         self._lock = threading.Lock()
@@ -202,10 +204,14 @@ class Attachment:
             step.num_iterations += 1
             step.expect_hooks = True
             self._armed_task = None
+        if broadcast and self.stall_warning_s is not None and self.view.reducer.world_size > 1:
+            self._broadcasting = (time.monotonic(), step.num_iterations)
+            self._start_watcher()
 
     def inner_pre_forward(self) -> None:
         """Before the wrapped module's forward: after torch's buffer broadcast when inside the
         DDP model's forward (a bypass, ``model.module(x)``, is not)."""
+        self._broadcasting = None
         if self._inside and self._synced:
             self.checks.after_buffer_sync(self.view.reducer.step.num_iterations, self._broadcast)
 
@@ -213,6 +219,7 @@ class Attachment:
         """After torch DDP's forward: when it raised a backend error (its buffer broadcast
         failed), say what the store proves of the other ranks."""
         self._inside = False
+        self._broadcasting = None
         error = sys.exc_info()[1]
         if error is not None and _BACKEND_ERROR.search(str(error)) \
                 and self.view.reducer.world_size > 1:
@@ -342,26 +349,39 @@ class Attachment:
             index, (start, step) = min(self._pending.items(), key=lambda kv: kv[1][0])
         return index, time.monotonic() - start, step
 
+    def broadcast_held_up(self) -> tuple[float, int] | None:
+        """``(waited_s, step)`` of torch's buffer broadcast under way (None: none)."""
+        since = self._broadcasting
+        return None if since is None else (time.monotonic() - since[0], since[1])
+
+    def report_broadcast_stall(self, waited: float, step: int) -> str | None:
+        """The stall report of torch's buffer broadcast before forward ``step``, in
+        DataParallelModel's words (None: every peer has reached it). torch's C++ broadcast
+        cannot be interrupted from here: the process group's timeout ends it."""
+        late = self._late_ranks(step, "broadcast")
+        if not late:
+            return None
+        answers = ask_stacks(self.store, late[:4], self.answer_s, asked_by=self.view.reducer.rank,
+                             why=f"rank {self.view.reducer.rank} waits in the buffer broadcast "
+                                 f"of step {step}") if self._responder is not None else {}
+        text, never_pairs = broadcast_report(self.view.reducer.rank, step, round(waited, 1),
+                                             late, answers, peer_states())
+        if never_pairs:
+            text += ("\n  The two collectives never pair: torch DDP's broadcast waits for the "
+                     "process group's timeout, then fails.")
+        return text
+
+    def _late_ranks(self, step: int, kind: str = "stall") -> list[int]:
+        """Mark this rank waiting in ``kind`` at ``step``; the peers whose mark stays older."""
+        reducer = self.view.reducer
+        return late_ranks(self.store, kind, reducer.rank, reducer.world_size, step,
+                          ARRIVAL_GRACE_S)
+
     def report_stall(self, index: int, waited: float, step: int) -> str:
         """Mark this rank waiting, give the peers a moment to mark theirs, name the ones that
         did not, with their stacks (and what their finish marks say); the report's text."""
-        reducer = self.view.reducer
-        rank, size = reducer.rank, reducer.world_size
-        key = f"stall/rank{rank}"
-        mark = f"{step}"
-        bounded_store_call(self.store, lambda s: s.set(key, mark), what="this rank's stall mark")
-
-        def read(s: Any) -> dict[int, int]:
-            names = {r: f"stall/rank{r}" for r in range(size) if r != rank}
-            return {r: int(s.get(k)) for r, k in names.items() if s.check([k])}
-
-        deadline = time.monotonic() + ARRIVAL_GRACE_S
-        marks = bounded_store_call(self.store, read, what="the ranks' stall marks")
-        while any(marks.get(r, -1) < step for r in range(size) if r != rank) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-            marks = bounded_store_call(self.store, read, what="the ranks' stall marks")
-        late = [r for r in range(size) if r != rank and marks.get(r, -1) < step]
+        rank = self.view.reducer.rank
+        late = self._late_ranks(step)
         lines = [f"mini_ddp stall report from rank {rank} (step {step}): the all-reduce of "
                  f"bucket {index} (torch's bucket index) has not finished after {waited:.1f} s."]
         states = peer_states()
@@ -370,9 +390,8 @@ class Attachment:
             if late and self._responder is not None else {}
         named = False
         for r in late:
-            state = states.get(r)
-            if state is not None and state.state in ("finished", "failed"):
-                lines.append(f"  {state.describe()}")
+            if r in states and states[r].ended:
+                lines.append(f"  {states[r].describe()}")
                 continue
             lines.append(f"  rank {r}: has not reached bucket {index} of step {step}: it is "
                          f"slow or stuck before it (no mark from it within "
@@ -404,26 +423,39 @@ class Attachment:
 
 
 def _watch_stalls(me: weakref.ref, stop: threading.Event) -> None:
+    """The stall warning's thread: every half second, the longest wait under way (a bucket's
+    future, or torch's buffer broadcast) against the limit; one report per step."""
     while not stop.wait(0.5):
         attached = me()
         if attached is None:
             return
-        oldest = attached.oldest_pending()
         limit = attached.stall_warning_s
-        if oldest is None or limit is None or oldest[1] < limit \
-                or attached._reported_step == oldest[2]:
-            del attached
-            continue
-        attached._reported_step = oldest[2]
-        try:
-            logger.warning("%s", attached.report_stall(*oldest))
-        except StoreUnanswered as problem:
-            logger.warning("mini_ddp: rank %d has waited %g s for bucket %d; %s: no stall report "
-                           "this time (the wait goes on)", attached.view.reducer.rank, limit,
-                           oldest[0], problem)
-        except Exception:  # noqa: BLE001 - a thread of its own: nothing may escape it
-            logger.exception("mini_ddp: could not make the stall report")
+        broadcast, oldest = attached.broadcast_held_up(), attached.oldest_pending()
+        if limit is not None and broadcast is not None and broadcast[0] >= limit \
+                and attached._reported_step != ("broadcast", broadcast[1]):
+            attached._reported_step = ("broadcast", broadcast[1])
+            _tell(attached, lambda a=attached, b=broadcast: a.report_broadcast_stall(*b),
+                  f"the buffer broadcast of step {broadcast[1]}")
+        elif limit is not None and oldest is not None and oldest[1] >= limit \
+                and attached._reported_step != oldest[2]:
+            attached._reported_step = oldest[2]
+            _tell(attached, lambda a=attached, o=oldest: a.report_stall(*o),
+                  f"bucket {oldest[0]}")
         del attached
+
+
+def _tell(attached: Attachment, report: Callable[[], str | None], what: str) -> None:
+    """Log a stall report (a failure to make one is logged too: nothing escapes the thread)."""
+    try:
+        text = report()
+        if text:
+            logger.warning("%s", text)
+    except StoreUnanswered as problem:
+        logger.warning("mini_ddp: rank %d has waited %g s for %s; %s: no stall report this time "
+                       "(the wait goes on)", attached.view.reducer.rank,
+                       attached.stall_warning_s, what, problem)
+    except Exception:  # noqa: BLE001 - a thread of its own: nothing may escape it
+        logger.exception("mini_ddp: could not make the stall report")
 
 
 def _pre_forward(me: weakref.ref, module: nn.Module, _args: Any) -> None:

@@ -15,6 +15,10 @@ class MiniDDPError(RuntimeError):
     """Base class of mini_ddp's own errors."""
 
 
+class SyncMismatchError(MiniDDPError):
+    """The ranks are about to run different collectives (or a rank never came)."""
+
+
 class UnfinishedReductionError(MiniDDPError):
     """A forward started while the previous backward left parameters without a gradient.
 

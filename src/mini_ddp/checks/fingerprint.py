@@ -40,33 +40,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mini_ddp.errors import UNEVEN_FIX, MiniDDPError
-from mini_ddp.watch.stacks import EVAL_FIX
+from mini_ddp.errors import UNEVEN_FIX, SyncMismatchError
+from mini_ddp.watch.stacks import (
+    EVAL_FIX,
+    elsewhere_verdict,
+    in_mini_ddp_or_torch,
+    stuck_in_collective,
+)
 
 logger = logging.getLogger("mini_ddp")
 
-# Frames of these two are not the user's line (the forward's caller, a collective's caller).
-_PACKAGE = str(Path(__file__).resolve().parents[1])
-# Frames carry the path torch was imported by, which may be a link to the resolved one.
-_TORCH = tuple({str(Path(torch.__file__).resolve().parent), str(Path(torch.__file__).parent)})
-_COLLECTIVES = {"all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
-                "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
-                "all_to_all", "all_to_all_single", "all_gather_object", "broadcast_object_list",
-                "monitored_barrier", "send", "recv"}
 ENDED_POLL_S = 0.5
 """How often a waiting rank reads its late peers' finish marks."""
-
-
-class SyncMismatchError(MiniDDPError):
-    """The ranks are about to run different collectives (or a rank never came)."""
 
 
 def caller_line() -> str:
     """The user's line that called the model's forward: ``file:line in function``."""
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith((_PACKAGE, *_TORCH))
+    while frame is not None and (in_mini_ddp_or_torch(frame.f_code.co_filename)
                                  or frame.f_code.co_filename.startswith("<")):
         frame = frame.f_back
     if frame is None:
@@ -125,25 +116,6 @@ def verdict(mine: tuple[int, dict], theirs: dict[int, dict], previous: dict[int,
                 f"{UNEVEN_FIX}. See docs/debugging.md.")
     return (f"{head}. Every rank must run the same forwards and backwards through "
             "DataParallelModel, in the same order. See docs/debugging.md.")
-
-
-def stuck_in_collective(answer: dict[str, Any]) -> str | None:
-    """``"all_reduce (train.py:41 in main)"`` when a rank's stack (a stack responder's answer)
-    shows its main thread inside a ``torch.distributed`` collective called from user code."""
-    if not answer.get("answered"):
-        return None
-    for thread in answer["stacks"]:
-        if not thread["main"]:
-            continue
-        frames = thread["frames"]
-        for i, (filename, _line, function, _src) in enumerate(frames):
-            if "torch/distributed" in filename and function in _COLLECTIVES:
-                user = next((f for f in reversed(frames[:i])
-                             if not f[0].startswith((_PACKAGE, *_TORCH))), None)
-                where = f"{Path(user[0]).name}:{user[1]} in {user[2]}" if user else "?"
-                inside = any(f[0].startswith(_PACKAGE) for f in frames[:i])
-                return None if inside else f"torch.distributed.{function} (called at {where})"
-    return None
 
 
 class Fingerprints:
@@ -279,18 +251,10 @@ class Fingerprints:
                 if last is None else f"its last was {describe(last)}" if "kind" in last \
                 else f"its last known state: step {last.get('step')} ({last.get('state', '?')})"
             lines.append(f"  rank {rank}: {state}.")
-            elsewhere = stuck_in_collective(answers.get(rank, {}))
+            elsewhere = elsewhere_verdict(rank, answers.get(rank, {}), me, fp["step"],
+                                          None if last is None else last["step"])
             if elsewhere:
-                steps = "" if last is None else (
-                    f" (rank {me} is at step {fp['step']}, rank {rank} at step {last['step']})")
-                lines.append(
-                    f"  rank {rank} is inside {elsewhere}, a collective mini_ddp did not issue "
-                    f"and rank {me} does not run here. Either the ranks ran different numbers "
-                    f"of steps{steps} and rank {rank} went on past its loop — uneven inputs: "
-                    f"{UNEVEN_FIX} — or that collective runs on some ranks only (a metric "
-                    "all-reduced on rank 0, a rank-0-only barrier): every rank must issue the "
-                    "same collectives in the same order, so run it on every rank. See "
-                    "docs/debugging.md.")
+                lines.append(elsewhere)
             elif rank in answers and answers[rank].get("answered"):
                 where = answers[rank]["stacks"][0]["where"] if answers[rank]["stacks"] else "?"
                 lines.append(f"  rank {rank} is at {where}: slow, or it runs a different "

@@ -14,7 +14,7 @@ broadcast, reduce-add, scatter, gather) see :mod:`mini_ddp.transport.local_comm`
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -126,7 +126,9 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
                              group: dist.ProcessGroup | None = None,
                              bucket_bytes: int = BROADCAST_BUCKET_BYTES,
                              timeout_s: float | None = None, flight: Any = None,
-                             op: str = "buffers_broadcast", step: int = 0) -> None:
+                             op: str = "buffers_broadcast", step: int = 0,
+                             stall_after_s: float | None = None,
+                             on_slow: Callable[[], None] | None = None) -> None:
     """Overwrite ``tensors`` on every rank with rank ``src``'s values, in few collectives.
 
     Tensors are grouped by (dtype, device) in order, each group capped at ``bucket_bytes``,
@@ -139,7 +141,9 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
     None waits as torch DDP does — on NCCL only the current stream waits, not the host, and
     the process group's own timeout applies. ``flight``: a flight recorder
     (:class:`mini_ddp.watch.flight_log.FlightLog`) that records each broadcast as ``op`` of
-    ``step``.
+    ``step``. ``on_slow`` is called once a broadcast with a result on the CPU has waited
+    ``stall_after_s`` (the stall warning: it may raise, else the wait goes on); on a GPU the
+    host does not wait here, as in torch DDP, and a stall shows at the next bucket's wait.
     """
     sending = dist.get_rank() == src  # ``src`` is a global rank
     with torch.no_grad():
@@ -150,7 +154,8 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
                 flat = group_tensors[0].new_empty(sum(t.numel() for t in group_tensors))
             entry = None if flight is None else flight.started(op, step, flat)
             work = dist.broadcast(flat, src=src, group=group, async_op=True)
-            _wait_bounded(work, timeout_s)
+            _wait_bounded(work, timeout_s, stall_after_s if flat.device.type == "cpu" else None,
+                          on_slow)
             if entry is not None:
                 flight.finished(entry)
             if sending and not any(t.is_inference() for t in group_tensors):
@@ -160,15 +165,18 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
                                      _unflatten_dense_tensors(flat, group_tensors))
 
 
-def _wait_bounded(work: dist.Work, timeout_s: float | None) -> None:
-    if timeout_s is None:
+def _wait_bounded(work: dist.Work, timeout_s: float | None, stall_after_s: float | None = None,
+                  on_slow: Callable[[], None] | None = None) -> None:
+    if timeout_s is None and (on_slow is None or stall_after_s is None):
         # torch DDP's own wait: on NCCL it only orders the current stream after the broadcast,
         # so the forward never blocks the host here.
         work.wait()
         return
-    # A deadline the user set: wait until the broadcast has finished — on a GPU, until the
-    # GPU has run it (NCCL's future is done at launch; wait_done asks the work itself).
-    if not wait_done(work.get_future(), timeout_s, work=work):
+    # A deadline the user set, or the stall warning's limit on the CPU: wait until the
+    # broadcast has finished — on a GPU, until the GPU has run it (NCCL's future is done at
+    # launch; wait_done asks the work itself).
+    if not wait_done(work.get_future(), timeout_s, work=work, stall_after_s=stall_after_s,
+                     on_slow=on_slow):
         raise RuntimeError(f"no answer within {timeout_s} s (DataParallelModel's "
                            "sync_timeout_s)")
     work.wait()  # raises the collective's own error (e.g. a peer closed its connection)

@@ -484,14 +484,19 @@ class DataParallelModel(DistributedDataParallel):
         # Keep version counters unchanged, as DDP does: the broadcast writes in place, and a
         # bumped counter would break a graph that saved a buffer (e.g. for double backward).
         what = f"the broadcast of rank {src}'s {len(buffers)} buffers before forward"
+        reducer = self.reducer
+        slow = reducer.on_slow_broadcast  # the stall warning (mini_ddp.watch.stall)
+        on_slow = None if slow is None else \
+            functools.partial(slow, reducer, reducer.step.num_iterations)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers), \
                 naming_collective(self.reducer.rank, what):
             # Bounded only by a user's sync_timeout_s: torch DDP never blocks the host here.
             dist_broadcast_coalesced(buffers, src=dist.get_global_rank(self.process_group, src),
                                      group=self.process_group,
                                      timeout_s=self.config.buffer_sync_timeout_s,
-                                     flight=self.reducer.flight, op="buffers_broadcast",
-                                     step=self.reducer.step.num_iterations)
+                                     flight=reducer.flight, op="buffers_broadcast",
+                                     step=reducer.step.num_iterations,
+                                     stall_after_s=reducer.stall_after_s, on_slow=on_slow)
 
     # ---- torch DDP's names for the buffer broadcast ----------------------------------------
     @property

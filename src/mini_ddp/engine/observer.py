@@ -42,7 +42,8 @@ tracing pays one attribute test per gradient. An observer must not raise on the 
 name a user's mistake (the checks do, as the engine would).
 
 Two seams stay outside these events because they are not events: a slow wait asks for a
-verdict (``reducer.on_stall`` / ``reducer.on_timeout``, installed by the stall warning), and
+verdict (``reducer.on_stall`` / ``reducer.on_timeout``, and ``reducer.on_slow_broadcast`` for the
+buffer broadcast before a forward, installed by the stall warning), and
 the engine's other collectives (start-up and buffer broadcasts, join's, the used map) are
 recorded in ``reducer.flight`` when a flight log is set there (``started(op, step, tensor)``
 returns an entry, ``finished(entry)``).

@@ -277,6 +277,9 @@ class Reducer(TorchReducerAPI):
         # message, extra fields of the flight recorder dump), called once a wait passes
         # sync_timeout_s. The stall monitor installs it: it asks the late ranks where they are.
         self.on_timeout: OnTimeout | None = None
+        # The broadcast seam: on_slow_broadcast(reducer, step) is called once the buffer
+        # broadcast before a forward (on the CPU) has waited stall_after_s; it may raise.
+        self.on_slow_broadcast: Callable[[Reducer, int], None] | None = None
         # CPU ranks on one host: float buckets live in shared memory and are summed there.
         self.transport = transport
         self.use_transport = transport is not None  # off while Join runs (model.forward)

@@ -99,6 +99,11 @@ class PeerState:
     time: float | None = None
     mistake: str = ""  # what a check of this rank named about its own script, if anything
 
+    @property
+    def ended(self) -> bool:
+        """The rank left a finish mark: it finished, or its script raised."""
+        return self.state in ("finished", "failed")
+
     def describe(self) -> str:
         """This state in a message's words ("rank 1 finished (destroyed its process group)
         after step 5")."""

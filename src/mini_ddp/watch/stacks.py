@@ -39,6 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from mini_ddp.errors import UNEVEN_FIX
 from mini_ddp.watch.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
 
 logger = logging.getLogger("mini_ddp")
@@ -131,6 +134,8 @@ class StackResponder:
     ``store`` is the prefixed store the askers use; the responder waits on a clone of it (its
     own connection). ``on_ask(stacks, request)`` runs in the thread after each answer — the
     flight recorder dumps there — and is held weakly, so the thread keeps nothing alive.
+    ``step_of()`` gives the rank's step count, sent with the stacks (a late rank's step, which
+    an asker compares with its own: uneven inputs).
 
     The thread opens its connections itself: each clone is a connect and handshake with the
     store's server (milliseconds, more on a loaded host), which the model's constructor then
@@ -141,7 +146,8 @@ class StackResponder:
     """
 
     def __init__(self, store: Any, rank: int,
-                 on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None):
+                 on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
+                 step_of: Callable[[], int | None] | None = None):
         self.rank = rank
         self.pid = os.getpid()  # the process whose thread this is (see stop)
         self._stop = threading.Event()
@@ -154,7 +160,7 @@ class StackResponder:
             if hasattr(on_ask, "__self__") else (lambda: on_ask)
         self._thread = threading.Thread(
             target=_connect_and_serve,
-            args=(store, rank, self._stop, callback, self._waker, self._connected),
+            args=(store, rank, self._stop, callback, step_of, self._waker, self._connected),
             name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
         self._launched = threading.Event()  # the starter has started it (or could not)
         _STARTER.start(self._thread, self._launched, self._connected)
@@ -278,9 +284,16 @@ def start_responder(store: Any, rank: int, owner: Any,
                     ) -> StackResponder | None:
     """A :class:`StackResponder` that stops when ``owner`` is garbage-collected (None when no
     thread could be started; one whose store cannot give it a connection of its own ends at
-    once: then nobody can ask this rank)."""
+    once: then nobody can ask this rank). Its answers carry ``owner.step.num_iterations``
+    (a reducer's step count) when the owner has one."""
+    ref = weakref.ref(owner)
+
+    def step_of() -> int | None:
+        step = getattr(ref(), "step", None)
+        return getattr(step, "num_iterations", None)
+
     try:
-        responder = StackResponder(store, rank, on_ask)
+        responder = StackResponder(store, rank, on_ask, step_of)
     except Exception as error:  # noqa: BLE001 - no thread: stacks just go unasked
         logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
         return None
@@ -290,7 +303,7 @@ def start_responder(store: Any, rank: int, owner: Any,
 
 
 def _connect_and_serve(store: Any, rank: int, stop: threading.Event, callback: Any,
-                       waker: list[Any], connected: threading.Event) -> None:
+                       step_of: Any, waker: list[Any], connected: threading.Event) -> None:
     try:
         own = store.clone()
         waker.append(store.clone())
@@ -299,17 +312,18 @@ def _connect_and_serve(store: Any, rank: int, stop: threading.Event, callback: A
         return
     finally:
         connected.set()
-    _serve(own, rank, stop, callback)
+    _serve(own, rank, stop, callback, step_of)
 
 
-def _serve(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
+def _serve(store: Any, rank: int, stop: threading.Event, callback: Any, step_of: Any) -> None:
     try:
-        _serve_requests(store, rank, stop, callback)
+        _serve_requests(store, rank, stop, callback, step_of)
     finally:
         _LAST_SERVE_END[0] = time.monotonic()
 
 
-def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any) -> None:
+def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any,
+                    step_of: Any) -> None:
     ask, count, answer = f"ask/{rank}", f"asked/{rank}", f"stack/{rank}"
     while not stop.is_set():
         started = time.monotonic()
@@ -331,7 +345,8 @@ def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any)
             generation = store.add(count, 0)  # every request counted so far gets this answer
             stacks = thread_stacks(skip=threading.get_ident())
             store.set(answer, json.dumps({"generation": generation, "time": time.time(),
-                                          "asked_at": request.get("time"), "stacks": stacks}))
+                                          "asked_at": request.get("time"), "stacks": stacks,
+                                          "step": None if step_of is None else step_of()}))
         except Exception:  # noqa: BLE001 - the store went away while answering
             return
         on_ask = None if callback is None else callback()
@@ -348,7 +363,8 @@ def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,
                call_s: float = STORE_CALL_S) -> dict[int, dict[str, Any]]:
     """Ask each of ``ranks`` for its stacks; wait up to ``answer_s`` for all of them.
 
-    Returns ``{rank: answer}``: an answer is ``{"answered": True, "stacks": [...], "time"}``, or
+    Returns ``{rank: answer}``: an answer is ``{"answered": True, "stacks": [...], "time",
+    "step"}`` (``step``: the rank's step count, None where its responder has none), or
     ``{"answered": False, "waited_s": answer_s}`` for a rank that did not answer in time. Every
     store call runs off this thread with a deadline of ``call_s``
     (:func:`~mini_ddp.watch.bounded_store.bounded_store_call`): a store that does not answer
@@ -375,7 +391,7 @@ def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,
         for rank, reply in bounded_store_call(store, replies, call_s, "reading stacks").items():
             if reply["generation"] >= generations[rank]:
                 found[rank] = {"answered": True, "stacks": reply["stacks"],
-                               "time": reply["time"]}
+                               "time": reply["time"], "step": reply.get("step")}
         if len(found) == len(ranks) or time.monotonic() >= deadline:
             break
         time.sleep(_POLL_S)
@@ -416,6 +432,63 @@ def extra_forward(rank: int, answer: dict[str, Any], waiting: int, step: int) ->
             f"did not run, with no backward for it (an output dropped, an evaluation or "
             f"logging forward on one rank); the two collectives never pair. Fix: {EVAL_FIX}. "
             "See docs/debugging.md.")
+
+
+# The collectives a user's code calls (torch.distributed's functions), and where torch lives:
+# frames carry the path torch was imported by, which may be a link to the resolved one.
+_COLLECTIVES = {"all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
+                "all_to_all", "all_to_all_single", "all_gather_object", "broadcast_object_list",
+                "monitored_barrier", "send", "recv"}
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+_TORCH = tuple({str(Path(torch.__file__).resolve().parent), str(Path(torch.__file__).parent)})
+
+
+def in_mini_ddp_or_torch(filename: str) -> bool:
+    """Whether a frame's file is mini_ddp's or torch's: not the user's line."""
+    return filename.startswith((_PACKAGE, *_TORCH))
+
+
+def stuck_in_collective(answer: dict[str, Any]) -> str | None:
+    """``"torch.distributed.all_reduce (called at train.py:41 in main)"`` when a rank's stack
+    (a stack responder's answer) shows its main thread inside a ``torch.distributed``
+    collective called from user code, not from mini_ddp (None: it is not)."""
+    if not answer.get("answered"):
+        return None
+    for thread in answer["stacks"]:
+        if not thread["main"]:
+            continue
+        frames = thread["frames"]
+        for i, (filename, _line, function, _src) in enumerate(frames):
+            if "torch/distributed" in filename and function in _COLLECTIVES:
+                user = next((f for f in reversed(frames[:i])
+                             if not in_mini_ddp_or_torch(f[0])), None)
+                where = f"{Path(user[0]).name}:{user[1]} in {user[2]}" if user else "?"
+                inside = any(f[0].startswith(_PACKAGE) for f in frames[:i])
+                return None if inside else f"torch.distributed.{function} (called at {where})"
+    return None
+
+
+def elsewhere_verdict(rank: int, answer: dict[str, Any], waiting: int, step: int,
+                      their_step: int | None) -> str | None:
+    """The verdict when late ``rank`` (its stack ``answer``) is inside a collective of the
+    user's own while rank ``waiting`` is about to run, or runs, one of the wrapper's at step
+    ``step`` (``their_step``: the late rank's own step, when known); None when it is not.
+
+    The two can never pair: the ranks ran different numbers of steps (uneven inputs), or that
+    collective runs on some ranks only. Every engine and check words it alike."""
+    elsewhere = stuck_in_collective(answer)
+    if elsewhere is None:
+        return None
+    steps = "" if their_step is None else (
+        f" (rank {waiting} is at step {step}, rank {rank} at step {their_step})")
+    return (f"  rank {rank} is inside {elsewhere}, a collective mini_ddp did not issue "
+            f"and rank {waiting} does not run here. Either the ranks ran different numbers "
+            f"of steps{steps} and rank {rank} went on past its loop — uneven inputs: "
+            f"{UNEVEN_FIX} — or that collective runs on some ranks only (a metric "
+            "all-reduced on rank 0, a rank-0-only barrier): every rank must issue the "
+            "same collectives in the same order, so run it on every rank. See "
+            "docs/debugging.md.")
 
 
 def describe_answer(rank: int, answer: dict[str, Any]) -> str:

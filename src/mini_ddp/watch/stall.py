@@ -17,6 +17,11 @@ line ("the rendezvous store did not answer within 2 s: no stall report this time
 rank's models are watched, the rank also leaves a mark as it finishes
 (:mod:`mini_ddp.watch.peers`), so that a peer that finished is not reported as dead.
 
+The buffer broadcast before a forward is watched too (:meth:`StallMonitor.on_slow_broadcast`):
+a late rank inside a collective of the user's own can never pair with it (uneven inputs, a
+collective on one rank), and the waiting rank raises
+:class:`~mini_ddp.errors.SyncMismatchError` naming it, instead of waiting on.
+
 This is Horovod's stall check, without its coordinator: each waiting rank asks the store.
 It then asks each late rank *where* it is — its Python stacks, answered by the rank's stack
 responder thread (:class:`mini_ddp.watch.stacks.StackResponder`) through the same store — and puts
@@ -75,7 +80,7 @@ import torch
 from torch.autograd import Variable
 
 from mini_ddp.engine import observer
-from mini_ddp.errors import MiniDDPError
+from mini_ddp.errors import MiniDDPError, SyncMismatchError
 from mini_ddp.watch.bounded_store import (
     STORE_CALL_S,
     StoreUnanswered,
@@ -91,6 +96,7 @@ from mini_ddp.watch.stacks import (
     StackResponder,
     ask_stacks,
     describe_answer,
+    elsewhere_verdict,
     extra_forward,
     start_responder,
 )
@@ -240,9 +246,10 @@ class StallMonitor:
         """Start watching (idempotent); returns self."""
         r = self.reducer
         if r.on_stall != self.on_stall:
-            self._replaced = (r.on_stall, r.stall_after_s, getattr(r, "on_timeout", None))
+            self._replaced = (r.on_stall, r.stall_after_s, getattr(r, "on_timeout", None),
+                              getattr(r, "on_slow_broadcast", None))
             r.on_stall, r.stall_after_s = self.on_stall, self.limit_s
-            r.on_timeout = self.on_timeout
+            r.on_timeout, r.on_slow_broadcast = self.on_timeout, self.on_slow_broadcast
             self._start_flight_log_and_responder()
             if hasattr(r, "layout"):  # a real reducer: its rank leaves a mark as it finishes
                 watch(r)
@@ -273,7 +280,7 @@ class StallMonitor:
         """Stop watching; whatever watched before (the default warning, or nothing) is back."""
         r = self.reducer
         if r.on_stall == self.on_stall and self._replaced is not None:
-            r.on_stall, r.stall_after_s, r.on_timeout = self._replaced
+            r.on_stall, r.stall_after_s, r.on_timeout, r.on_slow_broadcast = self._replaced
             self._replaced = None
         if self._responder is not None:
             self._responder.stop()
@@ -421,6 +428,39 @@ class StallMonitor:
             if not _failed(future):  # a failed one is named by the wait's own error and dump
                 self.act(report, None)
 
+    def on_slow_broadcast(self, reducer: Any, step: int) -> None:
+        """The broadcast seam: the buffer broadcast before forward ``step`` has waited
+        ``limit_s``. Leave this rank's mark, give the peers a moment to leave theirs, and ask
+        those without one where they are — on the waiting thread: the forward is held up
+        anyway, and what it finds may end it.
+
+        A late rank inside a collective of the user's own can never pair with the broadcast
+        (uneven inputs, or a collective on some ranks only): :class:`SyncMismatchError` names it
+        with its line, rather than a wait for the process group's timeout. Otherwise a WARNING
+        with the late ranks' stacks, and the wait goes on."""
+        rank = reducer.rank
+        what = f"the broadcast of the buffers before forward of step {step}"
+        try:
+            late = late_ranks(self.store, "broadcast", rank, reducer.world_size, step,
+                              min(self.limit_s, ARRIVAL_GRACE_S), self.call_s)
+            answers = ask_stacks(self.store, late[:MAX_ASKED], self.answer_s, asked_by=rank,
+                                 why=f"rank {rank} waits in {what}", call_s=self.call_s) \
+                if late else {}
+        except StoreUnanswered as problem:
+            logger.warning("mini_ddp: rank %d has waited %g s in %s; %s: no stall report this "
+                           "time (the wait goes on)", rank, self.limit_s, what, problem)
+            return
+        if not late:
+            return
+        text, never_pairs = broadcast_report(rank, step, self.limit_s, late, answers,
+                                             peer_states(group=getattr(reducer, "group", None)))
+        head = text.splitlines()[0]
+        self.dump(f"stall warning: {head}", report=text,
+                  peers={str(r): answer for r, answer in answers.items()})
+        if never_pairs:  # waiting on would only end in the process group's timeout
+            raise SyncMismatchError(text)
+        logger.warning("%s\n  This rank keeps waiting.", text)
+
     def on_timeout(self, reducer: Any, bucket: Any) -> tuple[str, dict[str, Any]]:
         """The reducer's timeout seam: its wait passed ``sync_timeout_s`` (whether or not a
         warning came first). Say who holds ``bucket`` up and ask them where they are now.
@@ -558,6 +598,51 @@ class StallMonitor:
             if why:
                 report.culprits[rank] = why
         return report
+
+
+def late_ranks(store: Any, kind: str, rank: int, size: int, step: int, grace_s: float,
+               call_s: float = STORE_CALL_S) -> list[int]:
+    """Mark ``rank`` as waiting in ``kind`` (a wait's name: ``"broadcast"``) at ``step``, give the
+    other ranks up to ``grace_s`` to leave the same mark, and return those whose mark is older
+    (or missing). A mark of its own per kind: a rank in a forward's broadcast has not reached a
+    bucket of the step before, whatever its step count says. Every store call has a deadline
+    of ``call_s`` (raises :class:`StoreUnanswered`)."""
+    key, mark = f"{kind}/rank{rank}", str(step)
+    bounded_store_call(store, lambda s: s.set(key, mark), call_s, "this rank's stall mark")
+
+    def read(s: Any) -> dict[int, int]:
+        names = {r: f"{kind}/rank{r}" for r in range(size) if r != rank}
+        return {r: int(s.get(k)) for r, k in names.items() if s.check([k])}
+
+    deadline = time.monotonic() + grace_s
+    marks = bounded_store_call(store, read, call_s, "the ranks' stall marks")
+    while any(marks.get(r, -1) < step for r in range(size) if r != rank) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+        marks = bounded_store_call(store, read, call_s, "the ranks' stall marks")
+    return [r for r in range(size) if r != rank and marks.get(r, -1) < step]
+
+
+def broadcast_report(rank: int, step: int, waited_s: float, late: list[int],
+                     answers: dict[int, Any], states: dict[int, PeerState]) -> tuple[str, bool]:
+    """The report of rank ``rank``, held up ``waited_s`` in the buffer broadcast before forward
+    ``step`` by ``late`` (their stacks ``answers``, their finish marks ``states``), and whether
+    a late rank is inside a collective of the user's own: one that can never pair with the
+    broadcast (:func:`~mini_ddp.watch.stacks.elsewhere_verdict`). DataParallelModel's and
+    ``mini_ddp.attach``'s words."""
+    lines = [f"mini_ddp: rank {rank} waited {waited_s:g} s in the broadcast of the buffers "
+             f"before forward of step {step} for ranks {late}, which have not reached it."]
+    never_pairs = False
+    for r in late:
+        if r in states and states[r].ended:
+            lines.append(f"  {states[r].describe()}")
+            continue
+        answer = answers.get(r, {"answered": False, "waited_s": 0.0})
+        verdict = elsewhere_verdict(r, answer, rank, step, answer.get("step"))
+        never_pairs = never_pairs or verdict is not None
+        lines.append(verdict or f"  rank {r}: has not reached it: it is slow or stuck before "
+                                f"it.\n{describe_answer(r, answer)}")
+    return "\n".join(lines), never_pairs
 
 
 def _failed(future: Any) -> bool:
