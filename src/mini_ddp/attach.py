@@ -21,7 +21,8 @@ What it runs: the replica check (identical data, weights loaded on one rank, a r
 ``eval()``, a parameter added after wrapping) and the bypassed-wrapper warning always; the finish
 marks (a rank that finished is not called dead: a failed bucket future logs what the store
 says); the stall warning, naming the ranks that have not reached a bucket (or torch's buffer
-broadcast before a forward: uneven inputs, a collective on one rank) and their Python stacks; under the debug switch the collective fingerprints (an extra forward on one rank, uneven
+broadcast before a forward: uneven inputs, a collective on one rank) and their Python stacks;
+under the debug switch the collective fingerprints (an extra forward on one rank, uneven
 inputs, a collective on one rank only) and the NaN watch. The checks themselves are the ones a
 DataParallelModel runs (:class:`mini_ddp.checks.debug.SyncChecks`), given a small view of the DDP
 model that exposes what they read.
@@ -64,7 +65,7 @@ from mini_ddp.watch.stacks import (
     extra_forward,
     start_responder,
 )
-from mini_ddp.watch.stall import broadcast_report, late_ranks
+from mini_ddp.watch.stall import MAX_ASKED, broadcast_report, late_ranks
 
 __all__ = ["Attachment", "attach", "attachment"]
 
@@ -139,7 +140,8 @@ class Attachment:
         self._armed_task: int | None = None
         self._pending: dict[int, tuple[float, int]] = {}  # bucket index -> (launched, step)
         self._broadcasting: tuple[float, int] | None = None  # torch's buffer broadcast: (since, step)
-        self._reported_step: int | None = None
+        # The last wait reported: a bucket's step, or ("broadcast", step): one report each.
+        self._reported_step: int | tuple[str, int] | None = None
         self._told_failure = False  # one failure told: the process group is unusable after it
         self._lock = threading.Lock()
         self._handles: list[Any] = []
@@ -361,7 +363,8 @@ class Attachment:
         late = self._late_ranks(step, "broadcast")
         if not late:
             return None
-        answers = ask_stacks(self.store, late[:4], self.answer_s, asked_by=self.view.reducer.rank,
+        answers = ask_stacks(self.store, late[:MAX_ASKED], self.answer_s,
+                             asked_by=self.view.reducer.rank,
                              why=f"rank {self.view.reducer.rank} waits in the buffer broadcast "
                                  f"of step {step}") if self._responder is not None else {}
         text, never_pairs = broadcast_report(self.view.reducer.rank, step, round(waited, 1),
