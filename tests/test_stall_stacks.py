@@ -17,7 +17,7 @@ from helpers.deadlines import hang_bound
 from helpers.hang_scenarios import ANSWER_S, FUNCTIONS, LINES, SCENARIOS, WARN_S, run_hangs
 
 from mini_ddp.watch.stacks import describe_answer, format_stacks, thread_stacks
-from mini_ddp.watch.stall import StallReport
+from mini_ddp.watch.stall import StallReport, broadcast_report
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,10 @@ def test_the_report_shows_each_answer_or_the_silence():
     assert "in test_the_report_shows_each_answer_or_the_silence" in text
     assert "rank 2 did not answer within 5 s" in text
     assert describe_answer(2, report.stacks[2]) in text
+
+
+def test_a_late_rank_that_was_not_asked_is_said_to_be_not_asked():
+    text, never_pairs = broadcast_report(0, 6, 3.0, [1], {}, {})
+    assert "rank 1 was not asked where it is" in text
+    assert "did not answer" not in text
+    assert never_pairs is False

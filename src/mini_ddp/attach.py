@@ -65,7 +65,7 @@ from mini_ddp.watch.stacks import (
     extra_forward,
     start_responder,
 )
-from mini_ddp.watch.stall import MAX_ASKED, broadcast_report, late_ranks
+from mini_ddp.watch.stall import ARRIVAL_GRACE_S, MAX_ASKED, broadcast_stall, late_ranks
 
 __all__ = ["Attachment", "attach", "attachment"]
 
@@ -75,8 +75,6 @@ _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Attachment] = weakref.WeakKeyDic
 _SESSIONS = itertools.count()  # the same on every rank: attach is called in lockstep
 _BACKEND_ERROR = re.compile(r"gloo|nccl|connection|timed out|timeout", re.IGNORECASE)
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
-ARRIVAL_GRACE_S = 2.0
-"""How long a stalled rank gives its peers to leave their own marks before naming the late."""
 
 
 class _Step:
@@ -360,15 +358,13 @@ class Attachment:
         """The stall report of torch's buffer broadcast before forward ``step``, in
         DataParallelModel's words (None: every peer has reached it). torch's C++ broadcast
         cannot be interrupted from here: the process group's timeout ends it."""
-        late = self._late_ranks(step, "broadcast")
-        if not late:
+        reducer = self.view.reducer
+        found = broadcast_stall(self.store, reducer.rank, reducer.world_size, step,
+                                round(waited, 1), grace_s=ARRIVAL_GRACE_S,
+                                answer_s=self.answer_s, can_ask=self._responder is not None)
+        if found is None:
             return None
-        answers = ask_stacks(self.store, late[:MAX_ASKED], self.answer_s,
-                             asked_by=self.view.reducer.rank,
-                             why=f"rank {self.view.reducer.rank} waits in the buffer broadcast "
-                                 f"of step {step}") if self._responder is not None else {}
-        text, never_pairs = broadcast_report(self.view.reducer.rank, step, round(waited, 1),
-                                             late, answers, peer_states())
+        text, never_pairs, _answers = found
         if never_pairs:
             text += ("\n  The two collectives never pair: torch DDP's broadcast waits for the "
                      "process group's timeout, then fails.")
@@ -388,7 +384,7 @@ class Attachment:
         lines = [f"mini_ddp stall report from rank {rank} (step {step}): the all-reduce of "
                  f"bucket {index} (torch's bucket index) has not finished after {waited:.1f} s."]
         states = peer_states()
-        answers = ask_stacks(self.store, late[:4], self.answer_s, asked_by=rank,
+        answers = ask_stacks(self.store, late[:MAX_ASKED], self.answer_s, asked_by=rank,
                              why=f"rank {rank} waits for bucket {index} of step {step}") \
             if late and self._responder is not None else {}
         named = False

@@ -491,8 +491,16 @@ def elsewhere_verdict(rank: int, answer: dict[str, Any], waiting: int, step: int
             "docs/debugging.md.")
 
 
+NOT_ASKED: dict[str, Any] = {"answered": False, "asked": False}
+"""The answer of a rank that was not asked (no stack responder to ask through, or past the
+number of late ranks an asker asks)."""
+
+
 def describe_answer(rank: int, answer: dict[str, Any]) -> str:
-    """The report's lines for one rank's answer (or its silence)."""
+    """The report's lines for one rank's answer (or its silence, or that it was not asked)."""
+    if answer.get("asked") is False:
+        return (f"    rank {rank} was not asked where it is: no stack of it here (this rank "
+                "could not ask, or asked only the first few late ranks)")
     if not answer["answered"]:
         return (f"    rank {rank} did not answer within {answer['waited_s']:g} s: no Python "
                 "thread of it can run (stuck in native code that holds the GIL), or its process "

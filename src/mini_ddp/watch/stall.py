@@ -92,6 +92,7 @@ from mini_ddp.watch.flight_log import FlightLog, install_dump_signal
 from mini_ddp.watch.peers import PeerState, peer_states, watch
 from mini_ddp.watch.stacks import (
     ANSWER_S,
+    NOT_ASKED,
     TIMEOUT_ANSWER_S,
     StackResponder,
     ask_stacks,
@@ -441,19 +442,17 @@ class StallMonitor:
         rank = reducer.rank
         what = f"the broadcast of the buffers before forward of step {step}"
         try:
-            late = late_ranks(self.store, "broadcast", rank, reducer.world_size, step,
-                              min(self.limit_s, ARRIVAL_GRACE_S), self.call_s)
-            answers = ask_stacks(self.store, late[:MAX_ASKED], self.answer_s, asked_by=rank,
-                                 why=f"rank {rank} waits in {what}", call_s=self.call_s) \
-                if late else {}
+            found = broadcast_stall(self.store, rank, reducer.world_size, step, self.limit_s,
+                                    grace_s=min(self.limit_s, ARRIVAL_GRACE_S),
+                                    answer_s=self.answer_s, call_s=self.call_s,
+                                    group=getattr(reducer, "group", None))
         except StoreUnanswered as problem:
             logger.warning("mini_ddp: rank %d has waited %g s in %s; %s: no stall report this "
                            "time (the wait goes on)", rank, self.limit_s, what, problem)
             return
-        if not late:
+        if found is None:
             return
-        text, never_pairs = broadcast_report(rank, step, self.limit_s, late, answers,
-                                             peer_states(group=getattr(reducer, "group", None)))
+        text, never_pairs, answers = found
         head = text.splitlines()[0]
         self.dump(f"stall warning: {head}", report=text,
                   peers={str(r): answer for r, answer in answers.items()})
@@ -623,6 +622,28 @@ def late_ranks(store: Any, kind: str, rank: int, size: int, step: int, grace_s: 
     return [r for r in range(size) if r != rank and marks.get(r, -1) < step]
 
 
+def broadcast_stall(store: Any, rank: int, size: int, step: int, waited_s: float, *,
+                    grace_s: float, answer_s: float, call_s: float = STORE_CALL_S,
+                    can_ask: bool = True, group: Any = None
+                    ) -> tuple[str, bool, dict[int, Any]] | None:
+    """Rank ``rank`` has waited ``waited_s`` in the buffer broadcast before forward ``step``:
+    mark it, give the peers ``grace_s`` to mark theirs (:func:`late_ranks`), ask the late ones
+    (at most :data:`MAX_ASKED`) for their stacks unless ``can_ask`` is False (no stack
+    responder: they are said to be unasked), and return :func:`broadcast_report`'s text and
+    verdict with the answers. None: every peer has reached the broadcast. The one sequence
+    DataParallelModel's stall monitor and ``mini_ddp.attach`` both run; a store that does
+    not answer raises :class:`StoreUnanswered`."""
+    late = late_ranks(store, "broadcast", rank, size, step, grace_s, call_s)
+    if not late:
+        return None
+    answers = ask_stacks(store, late[:MAX_ASKED], answer_s, asked_by=rank,
+                         why=f"rank {rank} waits in the buffer broadcast before forward of "
+                             f"step {step}", call_s=call_s) if can_ask else {}
+    text, never_pairs = broadcast_report(rank, step, waited_s, late, answers,
+                                         peer_states(group=group))
+    return text, never_pairs, answers
+
+
 def broadcast_report(rank: int, step: int, waited_s: float, late: list[int],
                      answers: dict[int, Any], states: dict[int, PeerState]) -> tuple[str, bool]:
     """The report of rank ``rank``, held up ``waited_s`` in the buffer broadcast before forward
@@ -637,7 +658,7 @@ def broadcast_report(rank: int, step: int, waited_s: float, late: list[int],
         if r in states and states[r].ended:
             lines.append(f"  {states[r].describe()}")
             continue
-        answer = answers.get(r, {"answered": False, "waited_s": 0.0})
+        answer = answers.get(r, NOT_ASKED)
         verdict = elsewhere_verdict(r, answer, rank, step, answer.get("step"))
         never_pairs = never_pairs or verdict is not None
         lines.append(verdict or f"  rank {r}: has not reached it: it is slow or stuck before "
