@@ -169,7 +169,9 @@ def test_uneven_inputs_then_a_metric_all_reduce():
     with the long rank's gradient bucket and Gloo aborts a rank on the size mismatch, at once.
     Under mini_ddp at two ranks on one host the bucket goes through shared memory, so the two
     never pair: the long rank fails at its deadline (``sync_timeout_s``, here the process
-    group's 5 s) naming the rank that has not reached the bucket; the short one at Gloo's."""
+    group's 5 s) naming the rank that has not reached the bucket; the short one at Gloo's,
+    and where the short rank's timeout ends its group first, the long one fails naming its
+    finish mark (docs/recipes.md)."""
     started = time.monotonic()
     with pytest.raises(RanksFailed) as info:
         run_ranks(_uneven, 2, args=("torch DDP", True), timeout_s=90,
