@@ -19,17 +19,33 @@ def one_rank_group(tmp_path) -> Iterator[None]:
     dist.destroy_process_group()
 
 
+_MADE_HERE: list[str] = []  # the folders pytest_configure made (not the user's own)
+
+
 def pytest_configure(config) -> None:
     """Flight recorder dumps (written on every stall, timeout or failed collective, by default
     into ./mini_ddp_flight) go to a temporary folder, inherited by every spawned rank."""
     import os
     import tempfile
-    os.environ.setdefault("MINI_DDP_FLIGHT_DIR", tempfile.mkdtemp(prefix="mini_ddp_flight_"))
-    # One folder for tests/helpers/hang_scenarios.py's job, named here (in the controller,
-    # before any parallel worker starts) so that every worker inherits it and the job runs once.
-    os.environ.setdefault("MINI_DDP_HANGS_DIR", tempfile.mkdtemp(prefix="mini_ddp_hangs_"))
+    for name, prefix in (("MINI_DDP_FLIGHT_DIR", "mini_ddp_flight_"),
+                         # One folder for tests/helpers/hang_scenarios.py's job, named here
+                         # (in the controller, before any parallel worker starts) so that every
+                         # worker inherits it and the job runs once.
+                         ("MINI_DDP_HANGS_DIR", "mini_ddp_hangs_")):
+        if name not in os.environ:
+            os.environ[name] = tempfile.mkdtemp(prefix=prefix)
+            _MADE_HERE.append(os.environ[name])
     # The machine's slowdown, measured once here for the same reason (tests/helpers/deadlines.py).
     slowdown()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The folders made above are removed when the run passed; after a failure they stay, for
+    the dumps and hang reports in them (the summary says where)."""
+    import shutil
+    if exitstatus == 0 and not hasattr(session.config, "workerinput"):
+        for folder in _MADE_HERE:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_report_header(config) -> str:
@@ -39,18 +55,22 @@ def pytest_report_header(config) -> str:
 def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"hang bounds were scaled by {slowdown():.2f} "
                                 "(tests/helpers/deadlines.py)")
+    stats = terminalreporter.stats
+    if _MADE_HERE and (stats.get("failed") or stats.get("error")):
+        terminalreporter.write_line("flight dumps and hang reports kept in: " +
+                                    ", ".join(_MADE_HERE))
 
 
 # The modules that take longest (``--durations``, summed per module), started first: under
 # ``--dist loadscope`` a module runs on one worker, and a long one that starts last keeps that
 # worker busy after the others are done. Only the order depends on this list.
-LONG_FIRST = ("test_compile.py", "test_store_faults.py", "test_examples.py",
-              "test_compile_features.py", "test_parity_cli.py", "test_integrations_lightning.py",
-              "test_ladder.py", "test_restart.py", "test_gpu_check.py", "test_two_hosts.py",
-              "test_doctor.py", "test_example_minimal.py", "test_rewrap.py",
-              "test_docs_launching.py", "test_docs_comm_hooks.py",
-              "test_integrations_transformers.py", "test_flight_recorder_ops.py",
-              "test_shm_kill.py", "test_comm_hooks.py")
+LONG_FIRST = ("test_attach.py", "test_compile.py", "test_examples.py",
+              "test_compile_features.py", "test_ladder.py", "test_integrations_lightning.py",
+              "test_store_faults.py", "test_gpu_check.py", "test_parity_cli.py",
+              "test_doctor.py", "test_mistakes.py", "test_stall_stacks.py", "test_two_hosts.py",
+              "test_comm_hooks.py", "test_docs_comm_hooks.py", "test_demo.py",
+              "test_integrations_fabric.py", "test_example_minimal.py", "test_restart.py",
+              "test_zero_copy.py", "test_bench.py", "test_docs_errors.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

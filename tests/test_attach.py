@@ -3,13 +3,15 @@ classic mistakes are named in the words DataParallelModel uses (tests/mistakes/t
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers.ranks import RanksFailed, run_ranks
-from test_mistakes import run_script, short_waits, told
+from helpers.shared_runs import shared_folder
+from test_mistakes import shared_script_run, told
 from torch import nn
 
 import mini_ddp
@@ -96,18 +98,41 @@ NAMED = [
 ]
 
 
-@functools.cache
-def _output(mistake: str, engine: str, debug: bool) -> str:
-    """One run per script and engine, whichever rows read it (a run that fails is not kept)."""
-    return run_script(mistake, engine, debug, env=short_waits(mistake, debug))
+# The runs that wait (a stuck peer's sleep, or a process-group timeout that only a hang bound
+# ends, see test_mistakes.short_waits): started first, so that the others run meanwhile.
+WAITING = ("stuck", "extra_forward", "uneven", "one_rank_collective")
+CONCURRENT_RUNS = 6  # each run is two ranks that mostly wait: six at once keep two cores busy
+
+
+@pytest.fixture(scope="module")
+def output(request) -> Iterator[Callable[[str, str, bool], str]]:
+    """``output(mistake, engine, debug)``: that script run's output (both ranks). One run per
+    script, engine and switch, whichever tests read it (tests/test_mistakes.py's among them:
+    ``shared_script_run``); the runs the selected tests need are
+    all started at once, ``CONCURRENT_RUNS`` at a time, the waiting ones first (a run that
+    fails or hangs fails the tests that read it)."""
+    wanted = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "mistake" in params:
+            debug = params.get("debug", False)
+            wanted.add((params["mistake"], params.get("engine", "mini"), debug))
+    order = sorted(wanted, key=lambda run: (run[0] not in WAITING or run[2], run))
+    folder = shared_folder(request)
+    with ThreadPoolExecutor(CONCURRENT_RUNS) as pool:
+        runs = {run: pool.submit(shared_script_run, folder, *run) for run in order}
+        yield lambda mistake, engine, debug: runs[mistake, engine, debug].result()
+        for future in runs.values():
+            future.cancel()  # the runs not yet started (a run already started ends by itself)
 
 
 @pytest.mark.parametrize("engine", ["mini", "attach"])
 @pytest.mark.parametrize(("mistake", "debug", "rank", "text"), NAMED,
                          ids=[f"{m}-{r}" for m, _, r, _ in NAMED])
-def test_a_classic_mistake_is_named_alike_under_attach(engine: str, mistake: str, debug: bool,
-                                                        rank: int, text: str) -> None:
-    out = _output(mistake, engine, debug)
+def test_a_classic_mistake_is_named_alike_under_attach(output, engine: str, mistake: str,
+                                                        debug: bool, rank: int, text: str
+                                                        ) -> None:
+    out = output(mistake, engine, debug)
     mine = said_by(out, rank)
     assert text in mine, out[-4000:]
     assert "died" not in told(out, 0) + told(out, 1), out[-4000:]
@@ -198,10 +223,11 @@ def test_a_killed_rank_is_said_to_have_most_likely_died_under_attach(debug: bool
 
 
 @pytest.mark.parametrize("mistake", ["uneven", "one_rank_collective"])
-def test_a_broadcast_that_can_never_pair_ends_the_mini_run_at_defaults(mistake: str) -> None:
+def test_a_broadcast_that_can_never_pair_ends_the_mini_run_at_defaults(output, mistake: str
+                                                                      ) -> None:
     # DataParallelModel waits for its buffer broadcast itself: the stall report's verdict ends
     # the run (torch DDP's C++ broadcast, under attach, waits for the process group's timeout).
-    out = _output(mistake, "mini", False)
+    out = output(mistake, "mini", False)
     waiting = 0 if mistake == "uneven" else 1
     assert told(out, waiting).startswith(f"[rank {waiting}] SyncMismatchError: mini_ddp: rank "
                                          f"{waiting} waited 3 s in the broadcast of the buffers"), out

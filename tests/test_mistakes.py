@@ -12,9 +12,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.deadlines import hang_bound
+from helpers.shared_runs import shared_result
 
 from mini_ddp.tools.doctor import diagnose
 
@@ -60,6 +62,15 @@ def run_script(mistake: str, engine: str = "mini", debug: bool = False,
     return done.stdout + done.stderr
 
 
+def shared_script_run(where: Any, mistake: str, engine: str = "mini", debug: bool = False
+                      ) -> str:
+    """``run_script`` with :func:`short_waits`, run once per test run for the tests of every
+    module and worker that read it (``where``: a pytest request, or its ``shared_folder``)."""
+    return shared_result(where, f"mistake-{mistake}-{engine}-{'debug' if debug else 'defaults'}",
+                         lambda: run_script(mistake, engine, debug,
+                                            env=short_waits(mistake, debug)))
+
+
 def told(output: str, rank: int) -> str:
     """What ``rank`` printed as its outcome (its exception, or "done")."""
     lines = [line for line in output.splitlines() if line.startswith(f"[rank {rank}] ")
@@ -68,8 +79,9 @@ def told(output: str, rank: int) -> str:
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["defaults", "debug"])
-def test_a_rank_that_finished_early_ends_the_run_with_its_finish_mark(debug: bool) -> None:
-    out = run_script("finish_early", debug=debug)
+def test_a_rank_that_finished_early_ends_the_run_with_its_finish_mark(request, debug: bool
+                                                                      ) -> None:
+    out = shared_script_run(request, "finish_early", debug=debug)
     assert "done" in told(out, 1), out
     said = told(out, 0)
     assert "rank 1 finished (destroyed its process group) after step 3" in said, out
@@ -108,8 +120,8 @@ def test_the_doctor_shows_where_the_peers_of_a_debug_check_were() -> None:
     assert "died" not in text, text
 
 
-def test_a_training_forward_that_bypasses_the_wrapper_is_named_at_defaults() -> None:
-    out = run_script("bypass")
+def test_a_training_forward_that_bypasses_the_wrapper_is_named_at_defaults(request) -> None:
+    out = shared_script_run(request, "bypass")
     said = told(out, 0)
     assert "Ranks [1] never completed a synchronised step: their training forward bypasses" in said, out
     assert "uneven inputs" not in said and "died" not in said, said

@@ -18,14 +18,22 @@ from pathlib import Path
 from typing import Any
 
 
-def shared_result(request: Any, key: str, compute: Callable[[], Any]) -> Any:
-    """``compute()``, computed once per test run for ``key`` and shared by every worker
-    (``request``: a fixture's pytest request)."""
+def shared_folder(request: Any) -> Path:
+    """This test run's folder of shared results (``request``: a fixture's or test's pytest
+    request), the same for every parallel worker."""
     folder = request.getfixturevalue("tmp_path_factory").getbasetemp()
     if hasattr(request.config, "workerinput"):  # an xdist worker: its run's folder is the parent
         folder = folder.parent
     folder = Path(folder) / "shared_runs"
     folder.mkdir(exist_ok=True)
+    return folder
+
+
+def shared_result(request: Any, key: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``, computed once per test run for ``key`` and shared by every worker
+    (``request``: a pytest request, or the :func:`shared_folder` it gives — a thread that
+    computes a result takes the folder, made in the test's own thread)."""
+    folder = request if isinstance(request, Path) else shared_folder(request)
     result = folder / f"{key}.pickle"
     with open(folder / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
