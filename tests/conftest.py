@@ -37,6 +37,9 @@ def pytest_configure(config) -> None:
             _MADE_HERE.append(os.environ[name])
     # The machine's slowdown, measured once here for the same reason (tests/helpers/deadlines.py).
     slowdown()
+    if os.environ.get("MINI_DDP_TEST_CPU_LOG"):  # CPU seconds per test (tests/helpers/cpu_account.py)
+        from helpers.cpu_account import CpuAccount
+        config.pluginmanager.register(CpuAccount(os.environ["MINI_DDP_TEST_CPU_LOG"]))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

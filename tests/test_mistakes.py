@@ -45,11 +45,16 @@ def short_waits(mistake: str, debug: bool) -> dict[str, str]:
 
 
 def run_script(mistake: str, engine: str = "mini", debug: bool = False,
-               bound_s: float = BOUND_S, env: dict[str, str] | None = None) -> str:
+               bound_s: float = BOUND_S, env: dict[str, str] | None = None,
+               start_method: str = "fork") -> str:
     """The script's output (both ranks); fails when it does not end within ``bound_s`` (a
-    hang bound, scaled by the machine's slowdown)."""
+    hang bound, scaled by the machine's slowdown). The ranks are forked from the script's
+    process (``start_method``: the script's ``START_METHOD``), so that they do not import
+    torch again; the script's default, ``mp.spawn``, is run by
+    ``test_a_training_forward_that_bypasses_the_wrapper_is_named_at_defaults``."""
     bound_s = hang_bound(bound_s)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "START_METHOD": start_method, "GRACE_S": f"{hang_bound(10):g}", **(env or {})}
     env.pop("MINI_DDP_DEBUG", None)
     if debug:
         env["MINI_DDP_DEBUG"] = "1"
@@ -120,8 +125,8 @@ def test_the_doctor_shows_where_the_peers_of_a_debug_check_were() -> None:
     assert "died" not in text, text
 
 
-def test_a_training_forward_that_bypasses_the_wrapper_is_named_at_defaults(request) -> None:
-    out = shared_script_run(request, "bypass")
+def test_a_training_forward_that_bypasses_the_wrapper_is_named_at_defaults() -> None:
+    out = run_script("bypass", start_method="spawn")  # the script as a user runs it
     said = told(out, 0)
     assert "Ranks [1] never completed a synchronised step: their training forward bypasses" in said, out
     assert "uneven inputs" not in said and "died" not in said, said

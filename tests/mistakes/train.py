@@ -1,7 +1,7 @@
 """A plain two-rank training script with one classic mistake, as a user writes it.
 
 ``python tests/mistakes/train.py MISTAKE [mini|torch|attach]`` starts two ranks with
-``torch.multiprocessing.spawn`` (Gloo on CPU, a tiny MLP, 5 steps) and prints what each rank was
+``torch.multiprocessing.spawn`` (``START_METHOD=fork`` forks them instead) (Gloo on CPU, a tiny MLP, 5 steps) and prints what each rank was
 told: its exception and the WARNINGs of the ``"mini_ddp"`` logger. ``mini`` wraps the model in
 ``DataParallelModel`` with every default; ``torch`` in torch's own ``DistributedDataParallel``;
 ``attach`` in torch's DDP followed by ``mini_ddp.attach(model)``. Set ``MINI_DDP_DEBUG=1`` in the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import socket
 import sys
 import time
@@ -60,7 +61,7 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
+def main(rank: int, world: int, port: int, mistake: str, engine: str, reported) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
     # TIMEOUT_S in the environment: the process group's timeout (default: torch's 30 min), for
@@ -116,8 +117,22 @@ def main(rank: int, world: int, port: int, mistake: str, engine: str) -> None:
     except Exception as exc:
         text = str(exc).replace("\n", " | ")  # one line, so each rank's outcome greps alone
         say(f"[rank {rank}] {type(exc).__name__}: {text}")
+        leave_once_every_rank_reported(reported, world)
         raise SystemExit(1) from exc
     dist.destroy_process_group()
+    leave_once_every_rank_reported(reported, world)
+
+
+def leave_once_every_rank_reported(reported, world: int) -> None:
+    """Count this rank as reported, and wait (at most ``GRACE_S``) for the others before the
+    process ends: rank 0 hosts the rendezvous store, and a rank that named a mistake and left
+    at once would take the store with it while a peer was still reading the same mistake's
+    records (the peer would then say only that its connection closed)."""
+    with reported.get_lock():
+        reported.value += 1
+    deadline = time.monotonic() + float(os.environ.get("GRACE_S", "10"))
+    while reported.value < world and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -126,8 +141,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def join_letting_each_rank_report(ranks: mp.ProcessContext) -> int:
+    """Wait for the ranks; once one has failed, give the others ``GRACE_S`` (in the
+    environment, default 10 s) to say what they were told before they are stopped.
+    ``mp.spawn``'s own join stops them the moment one fails: a peer a moment behind in naming
+    the same mistake would say nothing. Returns the exit code: 1 if a rank failed (the
+    traceback of an exception ``main`` did not catch is printed, as ``mp.spawn`` raises it)."""
+    grace_s = float(os.environ.get("GRACE_S", "10"))
+    processes, deadline = ranks.processes, None
+    while any(p.is_alive() for p in processes):
+        if deadline is None and any(p.exitcode not in (None, 0) for p in processes):
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for p in processes:
+                p.terminate()
+        time.sleep(0.05)
+    for rank, (p, error_file) in enumerate(zip(processes, ranks.error_files, strict=True)):
+        p.join()
+        if os.path.exists(error_file) and os.path.getsize(error_file):
+            with open(error_file, "rb") as f:
+                sys.stderr.write(f"rank {rank} raised:\n{pickle.load(f)}")
+    return 0 if all(p.exitcode == 0 for p in processes) else 1
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     how = sys.argv[2] if len(sys.argv) > 2 else "mini"
     assert name in MISTAKES, name
-    mp.spawn(main, args=(2, free_port(), name, how), nprocs=2, join=True)
+    # START_METHOD in the environment: how the ranks start (default: mp.spawn's "spawn"; the
+    # test suite forks them, which spares each rank re-importing torch).
+    method = os.environ.get("START_METHOD", "spawn")
+    reported = mp.get_context(method).Value("i", 0)  # how many ranks said their outcome
+    ranks = mp.start_processes(main, args=(2, free_port(), name, how, reported), nprocs=2,
+                               join=False, start_method=method)
+    sys.exit(join_letting_each_rank_report(ranks))
