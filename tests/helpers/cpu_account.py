@@ -12,6 +12,8 @@ wall seconds. ``python tests/helpers/cpu_account.py cpu.jsonl`` sums them per mo
 
 The tree is read from ``/proc`` (Linux only): for each process, its own CPU and that of the
 children it has reaped, so the ranks a forkserver started and reaped are counted through it.
+A process that leaves the tree unreaped (re-parented away, or never waited for) is missed, so
+the figures are a lower bound.
 """
 
 from __future__ import annotations
