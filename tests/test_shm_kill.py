@@ -49,8 +49,13 @@ def _run_mp(method: str, point: str, victim: int, outdir: Path) -> None:
     for p in procs:
         p.start()
     try:
-        procs[victim].join(60)
-        assert procs[victim].exitcode == -signal.SIGKILL, procs[victim].exitcode
+        procs[victim].join(hang_bound(60))
+        if procs[victim].is_alive():  # hung: where each rank is goes to stderr (shown)
+            for p in procs:
+                os.kill(p.pid, signal.SIGUSR1)
+            procs[victim].join(2)
+        reached = sorted(f.name for f in outdir.iterdir())
+        assert procs[victim].exitcode == -signal.SIGKILL, (procs[victim].exitcode, reached)
     finally:
         for p in procs:  # nobody cleans up: the survivor dies the same way
             if p.is_alive():

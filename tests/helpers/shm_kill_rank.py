@@ -9,6 +9,7 @@ environment torchrun sets).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import signal
 import sys
@@ -38,7 +39,9 @@ def _then_die(real, outdir: str, rank: int, where: str):
 
 def rank_main(rank: int, world_size: int, init_method: str, point: str, victim: int,
               outdir: str) -> None:
-    """Allocate, reduce, renew and reduce again; the victim dies at ``point``."""
+    """Allocate, reduce, renew and reduce again; the victim dies at ``point``. SIGUSR1 prints
+    every thread's stack (the test sends it to a rank that never got there)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=30))
     transport = SharedMemoryAllreduce.create()
