@@ -203,7 +203,11 @@ def _after_fork_in_child() -> None:
     # A child forked from a rank (a DataLoader worker, any forked helper) has no worker thread
     # and is no rank of the transport: it must never talk on the parent's sockets, and its
     # copies of them must not keep the parent's connections open after the parent is gone
-    # (the peers would then wait for the group's timeout instead of failing at once).
+    # (the peers would then wait for the group's timeout instead of failing at once). The
+    # lock is made anew: only the forking thread lives on in the child, so a lock another
+    # thread of the parent held at the fork would never be released there.
+    global _CHANNELS_LOCK
+    _CHANNELS_LOCK = threading.Lock()
     for channel in list(_CHANNELS.values()):
         channel.disown()
     _CHANNELS.clear()
