@@ -46,7 +46,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     """The folders made above are removed when the run passed; after a failure they stay, for
     the dumps and hang reports in them (the summary says where)."""
     import shutil
-    if exitstatus == 0 and not hasattr(session.config, "workerinput"):
+    if exitstatus == 0:  # a parallel worker made none (it inherits the controller's)
         for folder in _MADE_HERE:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from helpers.ranks import RanksFailed, run_ranks
 from helpers.shared_runs import shared_folder
-from test_mistakes import shared_script_run, told
+from test_mistakes import shared_script_run, short_waits, told
 from torch import nn
 
 import mini_ddp
@@ -98,9 +98,6 @@ NAMED = [
 ]
 
 
-# The runs that wait (a stuck peer's sleep, or a process-group timeout that only a hang bound
-# ends, see test_mistakes.short_waits): started first, so that the others run meanwhile.
-WAITING = ("stuck", "extra_forward", "uneven", "one_rank_collective")
 CONCURRENT_RUNS = 6  # each run is two ranks that mostly wait: six at once keep two cores busy
 
 
@@ -108,16 +105,22 @@ CONCURRENT_RUNS = 6  # each run is two ranks that mostly wait: six at once keep 
 def output(request) -> Iterator[Callable[[str, str, bool], str]]:
     """``output(mistake, engine, debug)``: that script run's output (both ranks). One run per
     script, engine and switch, whichever tests read it (tests/test_mistakes.py's among them:
-    ``shared_script_run``); the runs the selected tests need are
-    all started at once, ``CONCURRENT_RUNS`` at a time, the waiting ones first (a run that
-    fails or hangs fails the tests that read it)."""
+    ``shared_script_run``). The runs the selected tests need all start at once,
+    ``CONCURRENT_RUNS`` at a time, those that wait first — out a process-group timeout, then
+    for a stall warning (``short_waits``) — so that the others run meanwhile; a run that
+    fails or hangs fails the tests that read it."""
     wanted = set()
     for item in request.session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if item.module is request.module and "mistake" in params:
             debug = params.get("debug", False)
             wanted.add((params["mistake"], params.get("engine", "mini"), debug))
-    order = sorted(wanted, key=lambda run: (run[0] not in WAITING or run[2], run))
+
+    def longest_wait_first(run: tuple[str, str, bool]) -> tuple:
+        env = short_waits(run[0], run[2])
+        return "TIMEOUT_S" not in env, "STALL_S" not in env, run
+
+    order = sorted(wanted, key=longest_wait_first)
     folder = shared_folder(request)
     with ThreadPoolExecutor(CONCURRENT_RUNS) as pool:
         runs = {run: pool.submit(shared_script_run, folder, *run) for run in order}

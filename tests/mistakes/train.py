@@ -1,8 +1,8 @@
 """A plain two-rank training script with one classic mistake, as a user writes it.
 
 ``python tests/mistakes/train.py MISTAKE [mini|torch|attach]`` starts two ranks with
-``torch.multiprocessing.spawn`` (``START_METHOD=fork`` forks them instead) (Gloo on CPU, a tiny MLP, 5 steps) and prints what each rank was
-told: its exception and the WARNINGs of the ``"mini_ddp"`` logger. ``mini`` wraps the model in
+``torch.multiprocessing.spawn`` (Gloo on CPU, a tiny MLP, 5 steps; ``START_METHOD=fork`` forks
+them instead) and prints what each rank was told: its exception and the WARNINGs of the ``"mini_ddp"`` logger. ``mini`` wraps the model in
 ``DataParallelModel`` with every default; ``torch`` in torch's own ``DistributedDataParallel``;
 ``attach`` in torch's DDP followed by ``mini_ddp.attach(model)``. Set ``MINI_DDP_DEBUG=1`` in the
 environment for the debug switch. The mistakes (:data:`MISTAKES`) are the ones of
@@ -28,6 +28,9 @@ MISTAKES = ("none", "finish_early", "no_grad_eval", "nan", "bypass", "uneven",
             "one_rank_collective", "same_data", "load_on_one_rank", "eval_mode", "param_added",
             "stuck", "extra_forward")
 STEPS = 5
+# GRACE_S in the environment: how long a rank that has said its outcome waits for the others to
+# say theirs, and how long the others get once one has failed (see the two functions below).
+GRACE_S = float(os.environ.get("GRACE_S", "10"))
 
 
 class Net(nn.Module):
@@ -130,7 +133,7 @@ def leave_once_every_rank_reported(reported, world: int) -> None:
     records (the peer would then say only that its connection closed)."""
     with reported.get_lock():
         reported.value += 1
-    deadline = time.monotonic() + float(os.environ.get("GRACE_S", "10"))
+    deadline = time.monotonic() + GRACE_S
     while reported.value < world and time.monotonic() < deadline:
         time.sleep(0.05)
 
@@ -142,16 +145,16 @@ def free_port() -> int:
 
 
 def join_letting_each_rank_report(ranks: mp.ProcessContext) -> int:
-    """Wait for the ranks; once one has failed, give the others ``GRACE_S`` (in the
-    environment, default 10 s) to say what they were told before they are stopped.
+    """Wait for the ranks; once one has failed, give the others ``GRACE_S`` to say what they
+    were told before they are stopped (a rank that failed outside ``main``'s ``try`` did not
+    wait for them).
     ``mp.spawn``'s own join stops them the moment one fails: a peer a moment behind in naming
     the same mistake would say nothing. Returns the exit code: 1 if a rank failed (the
     traceback of an exception ``main`` did not catch is printed, as ``mp.spawn`` raises it)."""
-    grace_s = float(os.environ.get("GRACE_S", "10"))
     processes, deadline = ranks.processes, None
     while any(p.is_alive() for p in processes):
         if deadline is None and any(p.exitcode not in (None, 0) for p in processes):
-            deadline = time.monotonic() + grace_s
+            deadline = time.monotonic() + GRACE_S
         if deadline is not None and time.monotonic() > deadline:
             for p in processes:
                 p.terminate()
