@@ -116,3 +116,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The framework leaves the process group alive; a Gloo group still alive when the
+    # interpreter finalizes can abort the process ("terminate called without an active
+    # exception", SIGABRT) after the run has finished and written its JSON.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
