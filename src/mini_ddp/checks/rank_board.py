@@ -82,13 +82,28 @@ class RankBoard:
                          "a peer's check record")
         return None if raw is None else json.loads(raw)
 
-    def read_all(self, key: str) -> dict[int, Any] | None:
-        """Every rank's record under ``key`` (this rank's included), or None while one is
-        missing: one ``check`` for all of them, then a ``get`` each."""
-        names = [f"{key}/{r}" for r in range(self.world_size)]
-        raws = self._call(lambda store: [store.get(n) for n in names]
-                          if store.check(names) else None, "the ranks' check records")
-        return None if raws is None else {r: json.loads(raw) for r, raw in enumerate(raws)}
+    def exchange(self, post: dict[str, Any], read: list[str], remove: list[str]
+                 ) -> dict[str, dict[int, Any] | None]:
+        """One store round trip for all of a check's traffic at one forward: pin this rank's
+        records (``post``: key -> record), take down this rank's records under ``remove``,
+        and read every rank's records (this rank's included) under each key of ``read``:
+        key -> {rank: record}, or None while some rank has not posted it (and for every key
+        once the board is offline). One bounded call, so the caller waits for one thread
+        hand-off, not one per store operation."""
+        texts = {f"{key}/{self.rank}": json.dumps(record) for key, record in post.items()}
+        names = {key: [f"{key}/{r}" for r in range(self.world_size)] for key in read}
+
+        def run(store: Any) -> dict[str, list[bytes] | None]:
+            if texts:
+                store.multi_set(list(texts), list(texts.values()))
+            for key in remove:
+                store.delete_key(f"{key}/{self.rank}")
+            return {key: store.multi_get(keys) if store.check(keys) else None
+                    for key, keys in names.items()}
+
+        raws = self._call(run, "the ranks' check records") or {}
+        return {key: None if raws.get(key) is None
+                else {r: json.loads(raw) for r, raw in enumerate(raws[key])} for key in read}
 
     def wait_all(self, key: str, timeout_s: float, stop: Any = None) -> dict[int, Any]:
         """The peers' records under ``key``, waiting up to ``timeout_s`` for them; the ones

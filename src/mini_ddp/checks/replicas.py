@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from mini_ddp.engine.hook_groups import passive_hook
+from mini_ddp.engine.model import walk_module
 from mini_ddp.errors import MiniDDPError
 from mini_ddp.watch.stacks import EVAL_FIX
 
@@ -142,20 +143,25 @@ _SMALL = 1 << 15  # elements: below this a tensor's own sum costs more in launch
 def bits_hashes(tensors: list[torch.Tensor]) -> list[list[int]]:
     """Integers from each tensor's exact bits, for the replica check (:func:`_word_sums`), in
     a few kernels for all the tensors and one ``tolist`` per device: a large tensor
-    (``_SMALL`` elements or more) is read in place, one pass; the small ones of one size,
-    dtype width and device are stacked (a copy, cheaper than a kernel each) and summed
-    together. Any one element that differs changes its tensor's integers."""
-    views = [_int_view(t) for t in tensors]
+    (``_SMALL`` elements or more) is read in place, one pass; the small dense real ones of
+    one shape, dtype and device are stacked as they are (one copy, cheaper than a kernel or
+    a view each) and their bits summed together. Any one element that differs changes its
+    tensor's integers."""
     groups: dict[Any, list[int]] = {}
-    for i, ints in enumerate(views):
-        n = ints.numel()
-        key = i if n >= _SMALL else (ints.device, n, ints.element_size())
-        groups.setdefault(key, []).append(i)
+    for i, t in enumerate(tensors):
+        alone = t.is_sparse or t.is_complex() or t.numel() >= _SMALL
+        groups.setdefault(i if alone else (t.device, t.shape, t.dtype), []).append(i)
+    sums = []
+    with torch.no_grad():
+        for members in groups.values():
+            if len(members) == 1:
+                sums.append(_word_sums(_int_view(tensors[members[0]])[None]))
+                continue
+            rows = torch.stack([tensors[i] for i in members])
+            rows = rows.view(len(members), rows[0].numel())
+            sums.append(_word_sums(rows.view(_INT_OF_SIZE[rows.element_size()])))
     order = [i for members in groups.values() for i in members]
-    sums = [_word_sums(views[members[0]].unsqueeze(0)) if len(members) == 1
-            else _word_sums(torch.stack([views[i] for i in members]))
-            for members in groups.values()]
-    out: list[list[int]] = [[] for _ in views]
+    out: list[list[int]] = [[] for _ in tensors]
     for i, hashed in zip(order, _as_lists(sums), strict=True):
         out[i] = hashed
     return out
@@ -240,7 +246,7 @@ class ReplicaCheck:
                 if other != index:  # running, at the next forward)
                     handle.remove()
 
-    def _post_first_grads(self) -> None:
+    def _first_grads_record(self) -> dict[str, Any]:
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
@@ -249,8 +255,7 @@ class ReplicaCheck:
         sums = [(i, lists.get(i)) for i in sorted(self._first)]
         digest = hashlib.sha1(repr(sums).encode()).hexdigest()
         zero = all(h is None or not any(h) for _, h in sums)
-        self.board.post("first_grads", {"step": self._first_step, "hash": digest, "zero": zero})
-        self._pending["first_grads"] = 0
+        return {"step": self._first_step, "hash": digest, "zero": zero}
 
     def _compare_first_grads(self, records: dict[int, Any]) -> None:
         if any(r["zero"] for r in records.values()):
@@ -271,47 +276,28 @@ class ReplicaCheck:
     # ---- diverging replicas: parameters, buffers, modes, parameter sets --------------------
     def before_forward(self, step: int, buffers_synced: bool) -> None:
         """The model's synchronised forward ``step``, after the buffer broadcast: post this
-        rank's hashes when a check is due, compare what the peers have posted."""
+        rank's hashes when a check is due, compare what the peers posted before this forward.
+        All of it is one store round trip (:meth:`RankBoard.exchange`), and none when nothing
+        is due or pending. A record is read from the forward after the one that posted it:
+        the peers post theirs at the same forward, so reading it at once would mostly find
+        them missing and cost a round trip for nothing."""
+        post: dict[str, Any] = {}
+        remove: list[str] = []
         if self._first and self._grad_hooks:
-            self._post_first_grads()
+            post["first_grads"] = self._first_grads_record()
         if self.every is not None and (step == 1 or step % self.every == 0):
-            self._post_replica(step, buffers_synced)
-        if self._pending:
-            self._compare_pending()
-
-    def _post_replica(self, step: int, buffers_synced: bool) -> None:
-        model = self.model
-        ignore = model.parameters_to_ignore
-        module = model.module
-        tensors = [(f"parameter {n}", p) for n, p in module.named_parameters()
-                   if n not in ignore]
-        if buffers_synced:
-            tensors += [(f"buffer {n}", b) for n, b in module.named_buffers() if n not in ignore]
-        synced = set(model.reducer.names)
-        unsynced = [n for n, p in module.named_parameters()
-                    if p.requires_grad and n not in ignore and n not in synced]
-        record = {"step": step, "names": [n for n, _ in tensors],
-                  "hashes": bits_hashes([t for _, t in tensors]),
-                  "eval": [n or type(module).__name__ for n, m in module.named_modules()
-                           if not m.training],
-                  "unsynced": unsynced, "off_step_broadcasts": self.off_step_broadcasts}
-        key = f"replicas/{step}"
-        self.board.post(key, record)
-        if len(self._posted) == 2:  # every peer has compared the one before the last: a rank
-            self.board.remove(self._posted.pop(0))  # is never more than one step behind
-        self._posted.append(key)
-        self._pending[key] = 0
-        if unsynced:
-            self._tell("unsynced", (
-                f"rank {self.board.rank}: parameters {', '.join(unsynced[:8])} "
-                "require a gradient but DataParallelModel does not synchronise them: they were "
-                "added to the model (or set to requires_grad=True) after it was wrapped, so "
-                "their gradients stay local and the ranks drift apart. Build the whole model, "
-                "then wrap it (wrap again after changing it). See docs/debugging.md."))
-
-    def _compare_pending(self) -> None:
-        for key in list(self._pending):
-            records = self.board.read_all(key)
+            key = f"replicas/{step}"
+            post[key] = self._replica_record(step, buffers_synced)
+            if len(self._posted) == 2:  # every peer has compared the one before the last: a
+                remove.append(self._posted.pop(0))  # rank is never more than one step behind
+            self._posted.append(key)
+        read = list(self._pending)
+        if not (post or read or remove):
+            return
+        found = self.board.exchange(post, read, remove)
+        self._pending.update(dict.fromkeys(post, 0))
+        for key in read:
+            records = found[key]
             if records is None:
                 self._pending[key] += 1
                 if self._pending[key] > _PATIENCE:  # a peer stopped (join, or it is gone)
@@ -322,6 +308,30 @@ class ReplicaCheck:
                 self._compare_first_grads(records)
             else:
                 self._compare_replicas(records)
+
+    def _replica_record(self, step: int, buffers_synced: bool) -> dict[str, Any]:
+        """This rank's record for the check at ``step``: names and hashes of the tensors,
+        the modules in eval() mode and the unsynchronised parameters, from one walk over the
+        module tree (:func:`~mini_ddp.engine.model.walk_module`: torch's accessors' order)."""
+        model = self.model
+        ignore, synced, module = model.parameters_to_ignore, set(model.reducer.names), model.module
+        walk = walk_module(module)
+        params = [(n, p) for n, p in walk.params if n not in ignore]
+        tensors = [(f"parameter {n}", p) for n, p in params]
+        if buffers_synced:
+            tensors += [(f"buffer {n}", b) for n, b in walk.buffers if n not in ignore]
+        unsynced = [n for n, p in params if p.requires_grad and n not in synced]
+        modes = [n or type(module).__name__ for n, m in walk.modules if not m.training]
+        if unsynced:
+            self._tell("unsynced", (
+                f"rank {self.board.rank}: parameters {', '.join(unsynced[:8])} "
+                "require a gradient but DataParallelModel does not synchronise them: they were "
+                "added to the model (or set to requires_grad=True) after it was wrapped, so "
+                "their gradients stay local and the ranks drift apart. Build the whole model, "
+                "then wrap it (wrap again after changing it). See docs/debugging.md."))
+        return {"step": step, "names": [n for n, _ in tensors],
+                "hashes": bits_hashes([t for _, t in tensors]), "eval": modes,
+                "unsynced": unsynced, "off_step_broadcasts": self.off_step_broadcasts}
 
     def broadcast_off_step(self) -> None:
         """A forward outside a training step is about to broadcast the buffers."""
