@@ -204,9 +204,12 @@ class DataParallelModel(DistributedDataParallel):
                 delay_all_reduce_named_params, param_to_hook_all_reduce, module,
                 self.process_group, device_ids, self.parameters_to_ignore, bucket_cap_mb,
                 bucket_cap_mb_list)
-            if self.delayed.all_params:  # DDP then builds no reducer at all
-                self.reducer = None
-                return
+        # torch DDP's list of the managed parameters (ignored and delayed ones left out), kept
+        # as it does: its forward's in-backward-optimizer check reads it, not the module tree.
+        self._module_parameters = [p for n, p in walk.params if n not in self.parameters_to_ignore]
+        if self.delayed is not None and self.delayed.all_params:  # DDP builds no reducer then
+            self.reducer = None
+            return
         check_params(walk, type(module).__name__, self.parameters_to_ignore)
         self.device_ids, self.output_device = check_device_ids(
             walk, self.parameters_to_ignore, device_ids, output_device)
@@ -762,6 +765,8 @@ class DataParallelModel(DistributedDataParallel):
     def _setup_in_backward_optimizers(self) -> None:
         """Refuse ``_apply_optimizer_in_backward``: its optimizers would step on unreduced
         gradients (DDP re-routes them through a comm hook; mini_ddp does not)."""
+        if not any(hasattr(p, "_in_backward_optimizers") for p in self._module_parameters):
+            return
         culprits = [n for n, p in self.module.named_parameters()
                     if hasattr(p, "_in_backward_optimizers")]
         if culprits:
