@@ -253,3 +253,36 @@ def test_checkpoint_interchange_with_torch_ddp():
     results = run_ranks(_checkpoint_interchange, 3, timeout_s=120)
     problems = [p for bad in results for p in bad]
     assert not problems, "\n".join(problems)
+
+
+def _state(seed: int) -> list[torch.Tensor]:
+    """Tensors that make several broadcast pieces: one over the piece size alone, many small
+    ones that fill pieces, an int64 group and a float tail."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1 << 21, generator=gen), *[torch.randn(300, 300, generator=gen)
+                                                   for _ in range(30)],
+            torch.randint(0, 9, (1000,), generator=gen), torch.randn(5, generator=gen)]
+
+
+def _broadcast_in_pieces(ctx) -> tuple[list[torch.Tensor], int]:
+    import torch.distributed as dist
+
+    from mini_ddp.engine.comm import dist_broadcast_coalesced
+
+    tensors, calls, real = _state(ctx.rank), [], dist.broadcast
+    dist.broadcast = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    try:
+        dist_broadcast_coalesced(tensors, src=0)
+    finally:
+        dist.broadcast = real
+    return tensors, len(calls)
+
+
+def test_startup_broadcast_in_pieces_gives_every_rank_rank_0s_bits():
+    # The state goes out in pieces, two in flight: whatever the piece boundaries, every rank
+    # ends with exactly rank 0's tensors, and rank 0's are left as they were.
+    results = run_ranks(_broadcast_in_pieces, 3, timeout_s=120)
+    sent = _state(0)
+    for rank, (tensors, pieces) in enumerate(results):
+        assert pieces == results[0][1] >= 4, (rank, pieces)  # more than two in flight
+        assert all(torch.equal(a, b) for a, b in zip(tensors, sent, strict=True)), rank

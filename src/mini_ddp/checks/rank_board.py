@@ -6,7 +6,8 @@ saw without a collective of their own: a collective on the model's group is exac
 desynchronised job cannot afford (it would pair with the wrong collective of another rank,
 or hang). The store every rank already shares carries them instead, each model under a key
 prefix of its own: ``post`` a JSON record under a key for this rank, ``read`` the record a
-peer left under the same key (None while it has not), ``wait_all`` with a deadline.
+peer left under the same key (None while it has not), ``wait_all`` with a deadline, or
+``exchange`` all of one forward's posts and reads in one round trip.
 
 The checks observe; they must never hold training up. Every store call therefore runs off the
 calling thread with a deadline (:func:`~mini_ddp.watch.bounded_store.bounded_store_call`), and

@@ -26,6 +26,9 @@ from mini_ddp.transport.wait import wait_done
 
 # DDP broadcasts module state in groups of at most 250 MiB.
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+# ... and mini_ddp sends each group in pieces of at most this size, two in flight (see
+# dist_broadcast_coalesced): same bits, flattening and copying overlap the transfer.
+PIPELINE_BYTES = 4 * 1024 * 1024
 
 
 class ParameterMismatchError(MiniDDPError):
@@ -132,12 +135,14 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
     """Overwrite ``tensors`` on every rank with rank ``src``'s values, in few collectives.
 
     Tensors are grouped by (dtype, device) in order, each group capped at ``bucket_bytes``,
-    flattened into one tensor, broadcast, and copied back. Values are copied exactly, so the
-    grouping never changes a bit — it only saves collectives. Only ``src`` flattens (the
-    others receive into an empty buffer) and only the others copy back (``src``'s tensors
-    already hold what it sent; their version counters are bumped as a copy would): one copy
-    of the state less per rank than torch's ``_broadcast_coalesced``, same bits. ``timeout_s`` bounds the wait for
-    each broadcast, blocking the host until it has finished (RuntimeError when it runs out);
+    and sent in pieces of about ``PIPELINE_BYTES`` (as a group closes: once it reaches the
+    size), each flattened into one tensor, broadcast, and copied back, two pieces in flight.
+    Values are copied exactly, so the grouping never changes a bit. Only ``src`` flattens
+    (the others receive into an empty buffer) and only the others copy back (``src``'s
+    tensors already hold what it sent; their version counters are bumped as a copy would):
+    one copy of the state less per rank than torch's ``_broadcast_coalesced``, same bits.
+    ``timeout_s`` bounds the wait for each broadcast, blocking the host until it has
+    finished (RuntimeError when it runs out);
     None waits as torch DDP does — on NCCL only the current stream waits, not the host, and
     the process group's own timeout applies. ``flight``: a flight recorder
     (:class:`mini_ddp.watch.flight_log.FlightLog`) that records each broadcast as ``op`` of
@@ -146,23 +151,35 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
     host does not wait here, as in torch DDP, and a stall shows at the next bucket's wait.
     """
     sending = dist.get_rank() == src  # ``src`` is a global rank
+    in_flight: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work, Any]] = []
+
+    def finish_oldest() -> None:
+        group_tensors, flat, work, entry = in_flight.pop(0)
+        _wait_bounded(work, timeout_s, stall_after_s if flat.device.type == "cpu" else None,
+                      on_slow)
+        if entry is not None:
+            flight.finished(entry)
+        if sending and not any(t.is_inference() for t in group_tensors):
+            torch.autograd.graph.increment_version(group_tensors)
+        else:  # (an inference tensor refuses the copy on every rank, as in torch DDP)
+            torch._foreach_copy_(group_tensors, _unflatten_dense_tensors(flat, group_tensors))
+
     with torch.no_grad():
-        for group_tensors in _coalesce_groups(tensors, bucket_bytes):
+        # Pieces of at most PIPELINE_BYTES, two in flight (torch's broadcast_coalesced keeps
+        # two too): while one piece is on the wire, the sender flattens the next and the
+        # receivers copy the last one out, where whole groups would do the three in turn.
+        for group_tensors in _coalesce_groups(tensors, min(bucket_bytes, PIPELINE_BYTES)):
             if sending:
                 flat = _flatten_dense_tensors(group_tensors)
             else:  # overwritten whole by the broadcast: what it held is never read
                 flat = group_tensors[0].new_empty(sum(t.numel() for t in group_tensors))
             entry = None if flight is None else flight.started(op, step, flat)
-            work = dist.broadcast(flat, src=src, group=group, async_op=True)
-            _wait_bounded(work, timeout_s, stall_after_s if flat.device.type == "cpu" else None,
-                          on_slow)
-            if entry is not None:
-                flight.finished(entry)
-            if sending and not any(t.is_inference() for t in group_tensors):
-                torch.autograd.graph.increment_version(group_tensors)
-            else:  # (an inference tensor refuses the copy on every rank, as in torch DDP)
-                torch._foreach_copy_(group_tensors,
-                                     _unflatten_dense_tensors(flat, group_tensors))
+            in_flight.append((group_tensors, flat,
+                              dist.broadcast(flat, src=src, group=group, async_op=True), entry))
+            if len(in_flight) == 2:
+                finish_oldest()
+        while in_flight:
+            finish_oldest()
 
 
 def _wait_bounded(work: dist.Work, timeout_s: float | None, stall_after_s: float | None = None,
