@@ -170,7 +170,8 @@ class Attachment:
             if stall_warning_s is not None:
                 try:
                     self._responder = start_responder(default_store(self._prefix),
-                                                      reducer.rank, reducer)
+                                                      reducer.rank, reducer,
+                                                      prefix=self._prefix)
                 except (RuntimeError, ValueError):  # no default store: stacks go unasked
                     self._responder = None
         self._stop = threading.Event()

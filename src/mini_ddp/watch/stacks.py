@@ -40,9 +40,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import PrefixStore
 
 from mini_ddp.errors import UNEVEN_FIX
-from mini_ddp.watch.bounded_store import STORE_CALL_S, StoreUnanswered, bounded_store_call
+from mini_ddp.watch.bounded_store import (
+    STORE_CALL_S,
+    StoreUnanswered,
+    bounded_store_call,
+    default_store,
+)
 
 logger = logging.getLogger("mini_ddp")
 
@@ -138,8 +144,9 @@ class StackResponder:
     an asker compares with its own: uneven inputs).
 
     The thread opens its connections itself: each clone is a connect and handshake with the
-    store's server (milliseconds, more on a loaded host), which the model's constructor then
-    does not wait for. Nor does it wait for the thread to start: ``Thread.start`` returns only
+    store's server (milliseconds, more on a loaded host, now and then seconds), which the
+    model's constructor then does not wait for; with ``prefix`` (``store`` is the default
+    store under it) it takes them from the process's pool instead (:class:`_Connections`). Nor does it wait for the thread to start: ``Thread.start`` returns only
     once the new thread has run, a scheduler's delay on a loaded host, so one starter thread per
     process starts it (:data:`_STARTER`). A store that cannot open a second connection (a
     ``HashStore``) leaves the thread ended at once: nobody can ask this rank.
@@ -147,7 +154,7 @@ class StackResponder:
 
     def __init__(self, store: Any, rank: int,
                  on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
-                 step_of: Callable[[], int | None] | None = None):
+                 step_of: Callable[[], int | None] | None = None, prefix: str | None = None):
         self.rank = rank
         self.pid = os.getpid()  # the process whose thread this is (see stop)
         self._stop = threading.Event()
@@ -160,7 +167,8 @@ class StackResponder:
             if hasattr(on_ask, "__self__") else (lambda: on_ask)
         self._thread = threading.Thread(
             target=_connect_and_serve,
-            args=(store, rank, self._stop, callback, step_of, self._waker, self._connected),
+            args=(_Connector(store, prefix), rank, self._stop, callback, step_of, self._waker,
+                  self._connected),
             name=f"mini_ddp-stack-responder-rank{rank}", daemon=True)
         self._launched = threading.Event()  # the starter has started it (or could not)
         _STARTER.start(self._thread, self._launched, self._connected)
@@ -247,6 +255,7 @@ def _after_fork_in_child() -> None:
     _RESPONDERS.clear()
     _THREADS.clear()
     _STARTER.forget()
+    _CONNECTIONS.forget()
     _LAST_SERVE_END[0] = float("-inf")
 
 
@@ -280,12 +289,15 @@ def _join_responders_at_exit() -> None:
 
 
 def start_responder(store: Any, rank: int, owner: Any,
-                    on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None
-                    ) -> StackResponder | None:
+                    on_ask: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
+                    prefix: str | None = None) -> StackResponder | None:
     """A :class:`StackResponder` that stops when ``owner`` is garbage-collected (None when no
     thread could be started; one whose store cannot give it a connection of its own ends at
     once: then nobody can ask this rank). Its answers carry ``owner.step.num_iterations``
-    (a reducer's step count) when the owner has one."""
+    (a reducer's step count) when the owner has one. ``prefix``: ``store`` is the default
+    group's store under that prefix (:func:`~mini_ddp.watch.bounded_store.default_store`); the
+    responder's connections then come from the process's pool (:class:`_Connections`) instead
+    of two new clones of ``store``."""
     ref = weakref.ref(owner)
 
     def step_of() -> int | None:
@@ -293,7 +305,7 @@ def start_responder(store: Any, rank: int, owner: Any,
         return getattr(step, "num_iterations", None)
 
     try:
-        responder = StackResponder(store, rank, on_ask, step_of)
+        responder = StackResponder(store, rank, on_ask, step_of, prefix)
     except Exception as error:  # noqa: BLE001 - no thread: stacks just go unasked
         logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
         return None
@@ -302,53 +314,138 @@ def start_responder(store: Any, rank: int, owner: Any,
     return responder
 
 
-def _connect_and_serve(store: Any, rank: int, stop: threading.Event, callback: Any,
+class _Connections:
+    """This process's idle connections to the default group's store, for the responders.
+
+    Each new connection is a connect and handshake with the store's server, and torch's
+    TCPStore server, now and then, takes about 5 s over one while every other client's request
+    waits (measured: one connection in eight or so, on 2.11 and 2.14, both of its backends).
+    A model's responder used to open two of its own, so building a few models in one process
+    froze the store for seconds — long enough for the cross-rank checks' bounded calls to give
+    up. Here a responder that was stopped hands its connection back for the next model's, and
+    one wake-up connection serves every responder of the process (it only sets keys)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._store: Any = None  # the default store the connections below are clones of
+        self._idle: list[Any] = []
+        self._waker: Any = None
+
+    def _current(self, store: Any) -> None:
+        if self._store is not store:  # a new default group: the old connections are its
+            self._store, self._idle, self._waker = store, [], None
+
+    def take(self, store: Any) -> Any:
+        """An idle clone of ``store`` (the default group's), or a new one."""
+        with self._lock:
+            self._current(store)
+            if self._idle:
+                return self._idle.pop()
+        return store.clone()
+
+    def give(self, store: Any, connection: Any) -> None:
+        """``connection`` (taken for ``store``) is idle again: kept for the next responder
+        when none is (a model dropped and the next one built is the pattern this serves),
+        else closed (dropped), so the process holds at most one idle connection."""
+        with self._lock:
+            if self._store is store and not self._idle:
+                self._idle.append(connection)
+
+    def waker(self, store: Any) -> Any:
+        """The process's one wake-up connection to ``store``'s server."""
+        with self._lock:
+            self._current(store)
+            if self._waker is None:
+                self._waker = store.clone()
+            return self._waker
+
+    def forget(self) -> None:
+        """In a forked child: the parent's connections are not this process's to use."""
+        self._lock = threading.Lock()
+        self._store, self._idle, self._waker = None, [], None
+
+
+_CONNECTIONS = _Connections()
+
+
+class _Connector:
+    """How a responder gets its connections: under ``prefix`` from the process's pool of
+    default-store connections, or (a store of the caller's own) as clones of ``store``."""
+
+    def __init__(self, store: Any, prefix: str | None) -> None:
+        self.store, self.prefix = store, prefix
+        self._base: Any = None  # the default store the pooled connection was taken for
+        self._own: Any = None
+
+    def open(self) -> tuple[Any, Any]:
+        """The responder's own connection and the wake-up one (each under the prefix)."""
+        if self.prefix is None:
+            return self.store.clone(), self.store.clone()
+        self._base = default_store()
+        self._own = _CONNECTIONS.take(self._base)
+        return (PrefixStore(self.prefix, self._own),
+                PrefixStore(self.prefix, _CONNECTIONS.waker(self._base)))
+
+    def close(self, reusable: bool) -> None:
+        """The responder ended; ``reusable``: its connection is idle (it was stopped)."""
+        if self.prefix is not None and reusable and self._base is not None:
+            _CONNECTIONS.give(self._base, self._own)
+
+
+def _connect_and_serve(connector: _Connector, rank: int, stop: threading.Event, callback: Any,
                        step_of: Any, waker: list[Any], connected: threading.Event) -> None:
     try:
-        own = store.clone()
-        waker.append(store.clone())
+        own, wake = connector.open()
+        waker.append(wake)
     except Exception as error:  # noqa: BLE001 - e.g. a HashStore: stacks just go unasked
         logger.debug("mini_ddp: no stack responder on rank %d: %s", rank, error)
         return
     finally:
         connected.set()
-    _serve(own, rank, stop, callback, step_of)
-
-
-def _serve(store: Any, rank: int, stop: threading.Event, callback: Any, step_of: Any) -> None:
+    stopped = False
     try:
-        _serve_requests(store, rank, stop, callback, step_of)
+        stopped = _serve(own, rank, stop, callback, step_of)
+    finally:
+        connector.close(reusable=stopped)
+
+
+def _serve(store: Any, rank: int, stop: threading.Event, callback: Any, step_of: Any) -> bool:
+    """Answer requests until stopped (True) or the store fails (False)."""
+    try:
+        return _serve_requests(store, rank, stop, callback, step_of)
     finally:
         _LAST_SERVE_END[0] = time.monotonic()
 
 
 def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any,
-                    step_of: Any) -> None:
+                    step_of: Any) -> bool:
     ask, count, answer = f"ask/{rank}", f"asked/{rank}", f"stack/{rank}"
+    reusable = True  # the connection is the one the responder was given, and idle when it ends
     while not stop.is_set():
         started = time.monotonic()
         try:
             store.wait([ask], _WAIT)
         except Exception:  # noqa: BLE001 - expired (re-arm) or the store is gone (end)
             if stop.is_set() or time.monotonic() - started < 60:
-                return  # not the long wait expiring: the store failed
+                return False  # not the long wait expiring: the store failed
             try:
                 store = store.clone()  # a fresh connection: a timed-out one may be confused
+                reusable = False
             except Exception:  # noqa: BLE001
-                return
+                return False
             continue
         try:
             request = json.loads(store.get(ask))
             store.delete_key(ask)
             if stop.is_set() or request.get("stop"):
-                return
+                return reusable
             generation = store.add(count, 0)  # every request counted so far gets this answer
             stacks = thread_stacks(skip=threading.get_ident())
             store.set(answer, json.dumps({"generation": generation, "time": time.time(),
                                           "asked_at": request.get("time"), "stacks": stacks,
                                           "step": None if step_of is None else step_of()}))
         except Exception:  # noqa: BLE001 - the store went away while answering
-            return
+            return False
         on_ask = None if callback is None else callback()
         if on_ask is not None:
             try:
@@ -356,6 +453,7 @@ def _serve_requests(store: Any, rank: int, stop: threading.Event, callback: Any,
             except Exception:  # noqa: BLE001 - a failed dump must not end the responder
                 logger.exception("mini_ddp: rank %d could not write its flight recorder dump",
                                  rank)
+    return reusable
 
 
 def ask_stacks(store: Any, ranks: list[int], answer_s: float = ANSWER_S,

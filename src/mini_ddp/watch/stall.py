@@ -268,14 +268,14 @@ class StallMonitor:
             # invisible to signal.getsignal, so installing would silently replace it.
             install_dump_signal()
         if self._responder is None and r.world_size > 1:
-            store = self._store
+            store, prefix = self._store, None
             if store is None:  # a store of its own: the happy path leaves self.store unopened
                 try:
-                    store = default_store(self._prefix)
+                    store, prefix = default_store(self._prefix), self._prefix
                 except (RuntimeError, ValueError):  # no default store: stacks go unasked
                     return
             # Stops when the reducer goes (the model deleted): the thread holds nothing of it.
-            self._responder = start_responder(store, r.rank, r, r.flight.on_ask)
+            self._responder = start_responder(store, r.rank, r, r.flight.on_ask, prefix)
 
     def remove(self) -> None:
         """Stop watching; whatever watched before (the default warning, or nothing) is back."""
