@@ -136,7 +136,8 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
 
     Tensors are grouped by (dtype, device) in order, each group capped at ``bucket_bytes``,
     and sent in pieces of about ``PIPELINE_BYTES`` (as a group closes: once it reaches the
-    size), each flattened into one tensor, broadcast, and copied back, two pieces in flight.
+    size), each flattened into one tensor, broadcast, and copied back, two pieces of a group in
+    flight, the groups one after the other.
     Values are copied exactly, so the grouping never changes a bit. Only ``src`` flattens
     (the others receive into an empty buffer) and only the others copy back (``src``'s
     tensors already hold what it sent; their version counters are bumped as a copy would):
@@ -165,21 +166,25 @@ def dist_broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
             torch._foreach_copy_(group_tensors, _unflatten_dense_tensors(flat, group_tensors))
 
     with torch.no_grad():
-        # Pieces of at most PIPELINE_BYTES, two in flight (torch's broadcast_coalesced keeps
-        # two too): while one piece is on the wire, the sender flattens the next and the
-        # receivers copy the last one out, where whole groups would do the three in turn.
-        for group_tensors in _coalesce_groups(tensors, min(bucket_bytes, PIPELINE_BYTES)):
-            if sending:
-                flat = _flatten_dense_tensors(group_tensors)
-            else:  # overwritten whole by the broadcast: what it held is never read
-                flat = group_tensors[0].new_empty(sum(t.numel() for t in group_tensors))
-            entry = None if flight is None else flight.started(op, step, flat)
-            in_flight.append((group_tensors, flat,
-                              dist.broadcast(flat, src=src, group=group, async_op=True), entry))
-            if len(in_flight) == 2:
+        # A group goes in pieces of about PIPELINE_BYTES, two in flight (torch's
+        # broadcast_coalesced keeps two too): while one piece is on the wire, the sender
+        # flattens the next and the receivers copy the last one out, where a whole group would
+        # do the three in turn. Groups go one after the other, as torch's: with a rank gone, a
+        # later group never completes on a rank the earlier one did not (the int64 batch
+        # counter does not overtake the float buffers, so the error names the broadcast).
+        for group_tensors in _coalesce_groups(tensors, bucket_bytes):
+            for piece in _coalesce_groups(group_tensors, PIPELINE_BYTES):
+                if sending:
+                    flat = _flatten_dense_tensors(piece)
+                else:  # overwritten whole by the broadcast: what it held is never read
+                    flat = piece[0].new_empty(sum(t.numel() for t in piece))
+                entry = None if flight is None else flight.started(op, step, flat)
+                in_flight.append((piece, flat, dist.broadcast(flat, src=src, group=group,
+                                                              async_op=True), entry))
+                if len(in_flight) == 2:
+                    finish_oldest()
+            while in_flight:
                 finish_oldest()
-        while in_flight:
-            finish_oldest()
 
 
 def _wait_bounded(work: dist.Work, timeout_s: float | None, stall_after_s: float | None = None,
