@@ -26,7 +26,7 @@ from mini_ddp.transport.wait import wait_done
 
 # DDP broadcasts module state in groups of at most 250 MiB.
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
-# ... and mini_ddp sends each group in pieces of at most this size, two in flight (see
+# ... and mini_ddp sends each group in pieces of about this size, two in flight (see
 # dist_broadcast_coalesced): same bits, flattening and copying overlap the transfer.
 PIPELINE_BYTES = 4 * 1024 * 1024
 

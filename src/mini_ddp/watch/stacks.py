@@ -146,7 +146,8 @@ class StackResponder:
     The thread opens its connections itself: each clone is a connect and handshake with the
     store's server (milliseconds, more on a loaded host, now and then seconds), which the
     model's constructor then does not wait for; with ``prefix`` (``store`` is the default
-    store under it) it takes them from the process's pool instead (:class:`_Connections`). Nor does it wait for the thread to start: ``Thread.start`` returns only
+    store under it) it takes them from the process's pool instead (:class:`_Connections`).
+    Nor does the constructor wait for the thread to start: ``Thread.start`` returns only
     once the new thread has run, a scheduler's delay on a loaded host, so one starter thread per
     process starts it (:data:`_STARTER`). A store that cannot open a second connection (a
     ``HashStore``) leaves the thread ended at once: nobody can ask this rank.
@@ -318,12 +319,12 @@ class _Connections:
     """This process's idle connections to the default group's store, for the responders.
 
     Each new connection is a connect and handshake with the store's server, and torch's
-    TCPStore server, now and then, takes about 5 s over one while every other client's request
-    waits (measured: one connection in eight or so, on 2.11 and 2.14, both of its backends).
-    A model's responder used to open two of its own, so building a few models in one process
-    froze the store for seconds — long enough for the cross-rank checks' bounded calls to give
-    up. Here a responder that was stopped hands its connection back for the next model's, and
-    one wake-up connection serves every responder of the process (it only sets keys)."""
+    TCPStore, now and then, takes about 5 s over one while other clients' requests can wait
+    as long (``scripts/store_connect_times.py``; torch 2.11 and 2.14, both backends). Two new
+    connections per model would freeze the store every few models a process builds — long
+    enough for the cross-rank checks' bounded calls to give up. So a responder that was
+    stopped hands its connection back for the next model's, and one wake-up connection serves
+    every responder of the process (it only sets keys)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
