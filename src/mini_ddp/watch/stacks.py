@@ -375,22 +375,22 @@ class _Connector:
 
     def __init__(self, store: Any, prefix: str | None) -> None:
         self.store, self.prefix = store, prefix
-        self._base: Any = None  # the default store the pooled connection was taken for
+        self._default: Any = None  # the default store the pooled connection was taken for
         self._own: Any = None
 
     def open(self) -> tuple[Any, Any]:
         """The responder's own connection and the wake-up one (each under the prefix)."""
         if self.prefix is None:
             return self.store.clone(), self.store.clone()
-        self._base = default_store()
-        self._own = _CONNECTIONS.take(self._base)
+        self._default = default_store()
+        self._own = _CONNECTIONS.take(self._default)
         return (PrefixStore(self.prefix, self._own),
-                PrefixStore(self.prefix, _CONNECTIONS.waker(self._base)))
+                PrefixStore(self.prefix, _CONNECTIONS.waker(self._default)))
 
     def close(self, reusable: bool) -> None:
         """The responder ended; ``reusable``: its connection is idle (it was stopped)."""
-        if self.prefix is not None and reusable and self._base is not None:
-            _CONNECTIONS.give(self._base, self._own)
+        if self.prefix is not None and reusable and self._default is not None:
+            _CONNECTIONS.give(self._default, self._own)
 
 
 def _connect_and_serve(connector: _Connector, rank: int, stop: threading.Event, callback: Any,
