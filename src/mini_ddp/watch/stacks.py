@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
+import linecache
 import logging
 import os
 import queue
@@ -69,6 +70,7 @@ EVAL_FIX = ("to evaluate on one rank, call model.module(x) under torch.no_grad()
 _BROADCASTS = {("sync_buffers", str(Path("mini_ddp", "engine", "model.py"))),
                ("_sync_buffers", str(Path("torch", "nn", "parallel", "distributed.py")))}
 _POLL_S = 0.05
+_SNAPSHOT_FILES = tuple(str(Path(m.__file__)) for m in (traceback, linecache))
 _WAIT = datetime.timedelta(hours=12)  # the responder's store.wait: re-armed when it expires
 _ENGINE_DIR = str(Path(__file__).resolve().parent)
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
@@ -95,7 +97,10 @@ def thread_stacks(skip: int | None = None) -> list[dict[str, Any]]:
     for ident, frame in sys._current_frames().items():
         if ident == skip:
             continue
-        summary = traceback.extract_stack(frame)
+        # Without the frames of a stack being taken (a dump in progress on that thread):
+        # they would push the frames that say where the rank is out of the MAX_FRAMES kept.
+        summary = [f for f in traceback.extract_stack(frame)
+                   if not f.filename.endswith(_SNAPSHOT_FILES)]
         if ident != main and not any(f.filename.startswith(_ENGINE_DIR) for f in summary):
             continue
         # From the first frame of the user's own (the launcher's bootstrap before it is noise).
