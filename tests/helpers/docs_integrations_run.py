@@ -115,9 +115,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # The framework leaves the process group alive; a Gloo group still alive when the
-    # interpreter finalizes can abort the process ("terminate called without an active
-    # exception", SIGABRT) after the run has finished and written its JSON.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    from torchrun_json import run_rank
+
+    run_rank(main)

@@ -248,6 +248,8 @@ class ReplicaCheck:
                     handle.remove()
 
     def _first_grads_record(self) -> dict[str, Any]:
+        """This rank's record of the first synchronised backward's local-gradient hashes; the
+        step-1 gradient hooks are removed (their work is done)."""
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
