@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import preloaded
 from helpers.deadlines import hang_bound
 from helpers.shared_runs import shared_result
 
@@ -49,8 +50,9 @@ def run_script(mistake: str, engine: str = "mini", debug: bool = False,
                start_method: str = "fork") -> str:
     """The script's output (both ranks); fails when it does not end within ``bound_s`` (a
     hang bound, scaled by the machine's slowdown). The ranks are forked from the script's
-    process (``start_method``: the script's ``START_METHOD``), so that they do not import
-    torch again; the script's default, ``mp.spawn``, is run by
+    process (``start_method``: the script's ``START_METHOD``), itself started from a server
+    that has imported torch (tests/helpers/preloaded.py), so that no rank imports it; the
+    script's default, ``mp.spawn``, is run by
     ``test_a_training_forward_that_bypasses_the_wrapper_is_named_at_defaults``."""
     bound_s = hang_bound(bound_s)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
@@ -59,8 +61,12 @@ def run_script(mistake: str, engine: str = "mini", debug: bool = False,
     if debug:
         env["MINI_DDP_DEBUG"] = "1"
     try:
-        done = subprocess.run([sys.executable, str(SCRIPT), mistake, engine], env=env,
-                              capture_output=True, text=True, timeout=bound_s, cwd=ROOT)
+        if start_method == "fork":  # the ranks fork from a process that has imported torch
+            done = preloaded.run_script([SCRIPT, mistake, engine], env=env, cwd=ROOT,
+                                        timeout=bound_s)
+        else:
+            done = subprocess.run([sys.executable, str(SCRIPT), mistake, engine], env=env,
+                                  capture_output=True, text=True, timeout=bound_s, cwd=ROOT)
     except subprocess.TimeoutExpired as hung:
         out = (hung.stdout or b"").decode() if isinstance(hung.stdout, bytes) else hung.stdout
         pytest.fail(f"{mistake} ({engine}, debug={debug}) did not end in {bound_s:g} s:\n{out}")

@@ -37,8 +37,10 @@ from mini_ddp.watch.peers import mark_failed
 _CONTEXT: Any = None
 
 
-def _context() -> Any:
-    """The forkserver context, with torch preloaded in the server (created once per process)."""
+def forkserver_context() -> Any:
+    """The ``forkserver`` multiprocessing context whose server has imported torch,
+    ``torch.distributed``, ``torch._dynamo`` and mini_ddp (set up once per process): a process
+    started from it begins with those imports done."""
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
@@ -133,7 +135,7 @@ def run_ranks(
     its exit code) or was still running after ``timeout_s`` seconds (with its Python stack).
     ``collective_timeout_s`` bounds each collective inside the ranks (default: ``timeout_s``).
     """
-    ctx = _context()
+    ctx = forkserver_context()
     # Loopback only: the store has no authentication, so it must not listen on the network.
     store, port = store_server(LOOPBACK, 0, world_size)
     store_addr = (LOOPBACK, port)
