@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers import preloaded
 from helpers.deadlines import hang_bound
 
 from mini_ddp.tools.doctor import diagnose
@@ -45,30 +46,28 @@ def run_case(case: str, engines: str, world: int, outdir: Path) -> dict:
     try:
         if case in ("frozen_store", "gone_store"):
             portfile = outdir / "store_port"
-            store = subprocess.Popen([sys.executable, str(HELPER), "store", str(portfile)],
-                                     env=env)
+            store = preloaded.start_script([HELPER, "store", portfile], env=env, cwd=os.getcwd())
             (outdir / "store.pid").write_text(str(store.pid))
             deadline = time.monotonic() + hang_bound(60)
             while not portfile.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             port = int(portfile.read_text())
         for rank in range(world):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(HELPER), "rank", case, engines, str(rank), str(world),
-                 str(port), str(outdir)], env=env, stderr=subprocess.PIPE, text=True))
+            procs.append(preloaded.start_script(
+                [HELPER, "rank", case, engines, rank, world, port, outdir], env=env,
+                cwd=os.getcwd()))
         deadline = time.monotonic() + hang_bound(RUN_LIMIT_S)
         codes, errors = {}, {}
         for rank, proc in enumerate(procs):
             try:
-                _, errors[rank] = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-                codes[rank] = proc.returncode
+                codes[rank] = proc.wait(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 codes[rank] = "hung"
+            errors[rank] = proc.output()[1]
     finally:
         for proc in procs + ([store] if store else []):
             if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+                proc.kill()
     results = {}
     for engine in engines.split(","):
         for rank in range(world):

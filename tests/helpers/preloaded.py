@@ -51,30 +51,64 @@ def _script_main(argv: list[str], env: dict[str, str], cwd: str, out_path: str,
         atexit._run_exitfuncs()  # what the interpreter runs on its way out
 
 
+class Script:
+    """A script started by :func:`start_script`: a ``subprocess.Popen`` for the calls the tests
+    make (``pid``, ``poll``, ``wait``, ``kill``), its output read once it has ended."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        self.args = [sys.executable, *argv]
+        self._folder = tempfile.TemporaryDirectory(prefix="mini_ddp_script_")
+        self._out = os.path.join(self._folder.name, "stdout")
+        self._err = os.path.join(self._folder.name, "stderr")
+        self._proc = forkserver_context().Process(
+            target=_script_main, args=(argv, env, cwd, self._out, self._err),
+            name=f"script {Path(argv[0]).name}")
+        self._proc.start()
+        self.pid: int = self._proc.pid
+
+    def poll(self) -> int | None:
+        """The exit code, or None while the script runs."""
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code once the script has ended; :class:`subprocess.TimeoutExpired` (the
+        output so far in it) when it runs past ``timeout``."""
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            out, err = self.output()
+            raise subprocess.TimeoutExpired(self.args, timeout, output=out, stderr=err)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        """SIGKILL to the script and every process it started (its own process group)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.join()
+
+    def output(self) -> tuple[str, str]:
+        """What the script wrote so far to its stdout and its stderr."""
+        return tuple(Path(p).read_text(errors="replace") if os.path.exists(p) else ""
+                     for p in (self._out, self._err))
+
+
+def start_script(argv: list[str | Path], *, env: dict[str, str], cwd: str | Path
+                 ) -> Script:
+    """Start ``python argv...`` with ``env`` in ``cwd``, the interpreter's start shared."""
+    return Script([str(a) for a in argv], dict(env), str(cwd))
+
+
 def run_script(argv: list[str | Path], *, env: dict[str, str], cwd: str | Path,
                timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *argv], env=env, cwd=cwd, capture_output=True,
     text=True, timeout=timeout)``, the interpreter's start shared: the same result, and on a
     timeout the same :class:`subprocess.TimeoutExpired` (with the output so far) after the
     script and every process it started are killed."""
-    argv = [str(a) for a in argv]
-    with tempfile.TemporaryDirectory(prefix="mini_ddp_script_") as folder:
-        out_path, err_path = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        proc = forkserver_context().Process(
-            target=_script_main, args=(argv, dict(env), str(cwd), out_path, err_path),
-            name=f"script {Path(argv[0]).name}")
-        proc.start()
-        proc.join(timeout)
-        timed_out = proc.exitcode is None
-        if timed_out:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.join()
-        out, err = (Path(p).read_text(errors="replace") if os.path.exists(p) else ""
-                    for p in (out_path, err_path))
-    cmd = [sys.executable, *argv]
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
-    return subprocess.CompletedProcess(cmd, proc.exitcode, out, err)
+    script = start_script(argv, env=env, cwd=cwd)
+    try:
+        code = script.wait(timeout)
+    finally:
+        if script.poll() is None:
+            script.kill()
+    return subprocess.CompletedProcess(script.args, code, *script.output())
