@@ -411,3 +411,37 @@ def test_compiled_autograd_without_the_python_reducer_is_refused_by_name(one_ran
             F.mse_loss(ok(torch.randn(4, 12)), torch.randn(4, 5)).backward()  # eager backward
             assert ok._use_python_reducer and ok.reducer.step.num_iterations == 0
     model(torch.randn(4, 12))  # compiled autograd off again: the usual path
+
+
+NEVER_COMPILES = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from mini_ddp import DataParallelModel
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+plain = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+model = DataParallelModel(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+model.module.load_state_dict(plain.state_dict())
+for step in range(3):
+    x = torch.randn(4, 6)
+    plain.zero_grad(); model.zero_grad()
+    plain(x).square().sum().backward(); model(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
+                                                          model.parameters())), step
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_a_process_that_never_compiles_never_imports_dynamo():
+    """Without ``torch.compile`` the forward's bookkeeping runs without torch's lazy
+    dynamo-disabling wrappers, which import dynamo (seconds of CPU) at their first call; the
+    steps are the same (one rank: every gradient is the plain model's)."""
+    import subprocess
+    import sys
+
+    from helpers.deadlines import hang_bound
+
+    proc = subprocess.run([sys.executable, "-c", NEVER_COMPILES], capture_output=True,
+                          text=True, timeout=hang_bound(120))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dynamo imported: False" in proc.stdout, proc.stdout

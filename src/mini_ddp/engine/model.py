@@ -348,7 +348,10 @@ class DataParallelModel(DistributedDataParallel):
         """
         if self._use_python_reducer:  # torch DDP's three steps do nothing (dynamo traces it)
             return self.module(*inputs, **kwargs)
-        return self._forward_with_bookkeeping(*inputs, **kwargs)
+        # Under tracing is_compiling() is a constant True, so dynamo never reads sys.modules.
+        if torch.compiler.is_compiling() or "torch._dynamo" in sys.modules:
+            return self._forward_with_bookkeeping(*inputs, **kwargs)
+        return self._forward_without_dynamo(*inputs, **kwargs)
 
     # torch.compile: dynamo runs this frame and the bookkeeping around the module eagerly
     # (torch DDP's forward graph-breaks at its own) and compiles only the module's frame, as
@@ -357,6 +360,16 @@ class DataParallelModel(DistributedDataParallel):
     def _forward_with_bookkeeping(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
         return self._post_forward(self._run_ddp_forward(*inputs, **kwargs))
+
+    def _forward_without_dynamo(self, *inputs: Any, **kwargs: Any) -> Any:
+        """:meth:`_forward_with_bookkeeping` while ``torch._dynamo`` is not imported: then no
+        frame can be traced, nor intercepted by dynamo's frame hook, so the three steps run
+        without torch's lazy disabling wrappers, whose first call would import dynamo (2-3 s
+        of CPU, which a process that never compiles need not pay; ``torch.compile`` imports
+        it before anything is compiled)."""
+        inputs, kwargs = without_dynamo_wrapper(self._pre_forward)(*inputs, **kwargs)
+        output = without_dynamo_wrapper(self._run_ddp_forward)(*inputs, **kwargs)
+        return without_dynamo_wrapper(self._post_forward)(output)
 
     @torch._disable_dynamo
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -1073,6 +1086,14 @@ def python_reducer_requested() -> bool:
     """
     dynamo = sys.modules.get("torch._dynamo")
     return dynamo is not None and dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
+
+
+def without_dynamo_wrapper(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A bound method decorated with ``torch._disable_dynamo``, as the function the decorator
+    wraps (torch's wrapper keeps it as ``__wrapped__``) bound to the same object; a method
+    without the wrapper (a subclass's own) as it is."""
+    function = getattr(getattr(method, "__func__", None), "__wrapped__", None)
+    return method if function is None else function.__get__(method.__self__)
 
 
 def refuse_compiled_autograd_without_python_reducer(model: DataParallelModel) -> None:
