@@ -11,7 +11,8 @@ Each case runs torch DDP and DataParallelModel one after the other in the same r
 copies of one model and the same per-rank data, and compares every gradient after every
 backward and every parameter after the last step with ``torch.equal``. World size 3 is the
 one that can tell bucket layouts apart (Gloo's sum order depends on where an element sits in
-its buffer); 2 is run as well. The cases of one world size share one launch (compiling is
+its buffer): every bitwise case runs there; the graph-break cases run at world size 2, bit for
+bit as well. The cases of one world size share one launch (compiling is
 the cost; a fresh set of ranks would pay dynamo's and inductor's first-compile warm-up again),
 and each test reads its own case's rows.
 
@@ -213,17 +214,16 @@ INDUCTOR_CASES = {order: ("mlp", "inductor", order, {}, 3) for order in ("outer"
 # Sharing the ranks keeps each case's meaning: _train resets dynamo (its caches, counters and
 # compiled code) before every run, and no case changes dynamo's or inductor's config. The
 # compiled-autograd cases do, so they have ranks of their own (further down).
-# At world size 2 an aot_eager case that is also a graph-break case (the same model, backend,
-# order and steps) is run once, for both tests.
+# Every bitwise case runs at world size 3, where a wrong bucket layout shows in the bits. World
+# size 2 runs the graph-break cases (bitwise too), which are the aot_eager cases of the MLP and
+# the transformer under torch.compile(DDP(m)): those two are checked at both world sizes.
 SAME_AS_BREAKS = {k: name for k, v in AOT_EAGER_CASES.items()
                   for name, w in GRAPH_BREAK_CASES.items() if v == w}
-CASES = {2: {**{("breaks", k): v for k, v in GRAPH_BREAK_CASES.items()},
-             **{("aot_eager", k): v for k, v in AOT_EAGER_CASES.items()
-                if k not in SAME_AS_BREAKS},
-             **{("inductor", k): v for k, v in INDUCTOR_CASES.items()}},
+CASES = {2: {("breaks", k): v for k, v in GRAPH_BREAK_CASES.items()},
          3: {**{("aot_eager", k): v for k, v in AOT_EAGER_CASES.items()},
              **{("keywords", k): v for k, v in KEYWORD_CASES.items()},
              **{("inductor", k): v for k, v in INDUCTOR_CASES.items()}}}
+AOT_EAGER_RUNS = [(2, case) for case in SAME_AS_BREAKS] + [(3, case) for case in AOT_EAGER_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -260,10 +260,9 @@ def test_graph_breaks_at_most_torch_ddps_and_same_ddp_optimizer_split(compared, 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", AOT_EAGER_CASES)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(("world_size", "case"), AOT_EAGER_RUNS)
 def test_aot_eager_bitwise_equal_to_torch_ddp_both_orders(compared, world_size, case):
-    if world_size == 2 and case in SAME_AS_BREAKS:
+    if world_size == 2:
         _check_bitwise(compared(2, "breaks", SAME_AS_BREAKS[case]))
     else:
         _check_bitwise(compared(world_size, "aot_eager", case))
@@ -278,9 +277,8 @@ def test_ddp_keywords_under_compile_bitwise_equal_to_torch_ddp(compared, case):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("order", INDUCTOR_CASES)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_inductor_bitwise_equal_to_torch_ddp_both_orders(compared, world_size, order):
-    _check_bitwise(compared(world_size, "inductor", order))
+def test_inductor_bitwise_equal_to_torch_ddp_both_orders(compared, order):
+    _check_bitwise(compared(3, "inductor", order))
 
 
 # ---- compiled autograd: torch DDP's python reducer ------------------------------------------
