@@ -37,6 +37,10 @@ def pytest_configure(config) -> None:
             _MADE_HERE.append(os.environ[name])
     # The machine's slowdown, measured once here for the same reason (tests/helpers/deadlines.py).
     slowdown()
+    # Every rank of a test module imports that module, and with it pytest (0.15 s of CPU):
+    # the server the ranks fork from imports it once (mini_ddp.training.spawn).
+    from mini_ddp.training.spawn import forkserver_context
+    forkserver_context(also_preload=("pytest", "helpers.ranks"))
     if os.environ.get("MINI_DDP_TEST_CPU_LOG"):  # CPU seconds per test (tests/helpers/cpu_account.py)
         from helpers.cpu_account import CpuAccount
         config.pluginmanager.register(CpuAccount(os.environ["MINI_DDP_TEST_CPU_LOG"]))

@@ -24,7 +24,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,17 +35,25 @@ from mini_ddp.training.launch import LOOPBACK, keep_gloo_on_loopback, store_serv
 from mini_ddp.watch.peers import mark_failed
 
 _CONTEXT: Any = None
+# torch DDP imports torch._dynamo on construction (seconds of CPU): the server pays that once.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "mini_ddp")
 
 
-def forkserver_context() -> Any:
-    """The ``forkserver`` multiprocessing context whose server has imported torch,
-    ``torch.distributed``, ``torch._dynamo`` and mini_ddp (set up once per process): a process
-    started from it begins with those imports done."""
+def forkserver_context(also_preload: Sequence[str] = ()) -> Any:
+    """The ``forkserver`` multiprocessing context whose server has imported :data:`PRELOAD`
+    (set up once per process): a process started from it begins with those imports done.
+
+    ``also_preload`` adds modules the server imports too, for a caller whose rank functions
+    live in modules with heavy imports of their own (the test suite adds pytest, which every
+    rank of a test module would import again). It takes effect when given before the server
+    starts, i.e. before the process's first :func:`run_ranks`; a later call changes nothing.
+    """
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        # torch DDP imports torch._dynamo on construction (seconds of CPU): pay that once, here.
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "mini_ddp"])
+        _CONTEXT.set_forkserver_preload(list(PRELOAD))
+    if also_preload:
+        _CONTEXT.set_forkserver_preload([*PRELOAD, *also_preload])
     return _CONTEXT
 
 
