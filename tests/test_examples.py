@@ -15,11 +15,10 @@ import logging
 import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import preloaded
 from helpers.deadlines import hang_bound
 
 from mini_ddp.training.launch import add_launch_args, detect_launcher
@@ -27,12 +26,10 @@ from mini_ddp.training.launch import add_launch_args, detect_launcher
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = ROOT / "examples"
 EXAMPLES = ["seed000_resnet18_cifar.py", "seed002_lenet.py", "seed004_mymodel.py"]
-LAUNCHERS = {
-    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node=2"],
-    "spawn": [sys.executable],  # plus --world-size 2
-    "torch.distributed.launch": [sys.executable, "-m", "torch.distributed.launch",
-                                 "--nproc-per-node=2"],
+LAUNCHERS = {  # what follows ``python`` on the command line
+    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+    "spawn": [],  # plus --world-size 2
+    "torch.distributed.launch": ["-m", "torch.distributed.launch", "--nproc-per-node=2"],
 }
 TIMEOUT_S = 240
 DONE = re.compile(r"done: (\d+) steps, train loss ([\d.]+|nan), test accuracy ([\d.]+)%")
@@ -40,15 +37,19 @@ EPOCH = re.compile(r"epoch (\d+) step (\d+): train loss ([\d.]+), test accuracy 
 
 
 def run_example(launcher: str, script: str, *args: str) -> str:
-    """Run one example on 2 ranks; return its combined output, failing with it on error."""
+    """Run one example on 2 ranks; return its combined output, failing with it on error.
+
+    ``python ...`` itself (the launcher, or the spawning parent) starts from a server that has
+    imported torch (tests/helpers/preloaded.py); the rank processes the launcher starts are
+    fresh interpreters, as for a user."""
     cmd = [*LAUNCHERS[launcher], str(EXAMPLE_DIR / script), *args]
     if launcher == "spawn":
         cmd += ["--world-size", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=hang_bound(TIMEOUT_S))
+    proc = preloaded.run_script(cmd, cwd=ROOT, env=env, timeout=hang_bound(TIMEOUT_S))
     output = (proc.stdout + proc.stderr).replace("\r", "\n")  # tqdm redraws with \r
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
+    assert proc.returncode == 0, f"python {' '.join(cmd)} exited {proc.returncode}:\n" \
+        f"{output[-6000:]}"
     return output
 
 

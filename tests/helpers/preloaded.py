@@ -1,5 +1,5 @@
-"""Run a Python script as ``python SCRIPT ARGS...`` would, started from a server that has imported
-torch already.
+"""Run a Python script as ``python SCRIPT ARGS...`` (or ``python -m MODULE ARGS...``) would,
+started from a server that has imported torch already.
 
 A script the tests start as a user would (tests/mistakes/train.py, its ranks forked from it)
 spends most of its CPU importing torch, and each rank again importing ``torch._dynamo`` (its
@@ -42,11 +42,16 @@ def _script_main(argv: list[str], env: dict[str, str], cwd: str, out_path: str,
     if "OMP_NUM_THREADS" in env:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.chdir(cwd)
-    script = os.path.abspath(argv[0])
-    sys.argv = [script, *argv[1:]]
-    sys.path[0:0] = [os.path.dirname(script)]  # as the interpreter puts the script's folder first
     try:
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":  # python -m MODULE ARGS...: the working directory goes first
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0:0] = [os.getcwd()]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = [script, *argv[1:]]
+            sys.path[0:0] = [os.path.dirname(script)]  # the interpreter puts the script's folder first
+            runpy.run_path(script, run_name="__main__")
     finally:
         atexit._run_exitfuncs()  # what the interpreter runs on its way out
 
