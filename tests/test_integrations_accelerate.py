@@ -15,19 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers.torchrun_json import run_two_ranks
+from helpers.torchrun_json import framework_run
 
 pytest.importorskip("accelerate")
 
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("accelerate")
-    return run_two_ranks("accelerate_run.py", out_dir)
+def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return framework_run(request, "accelerate_run")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_accelerate_trains_bitwise_as_torch_ddp(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r["wrapped_by"] == "DataParallelModel" and r["is DDP"] is True, r
@@ -36,7 +35,7 @@ def test_accelerate_trains_bitwise_as_torch_ddp(results: list[dict[str, Any]]) -
         assert r["same"] is True, r  # torch.equal on every final parameter
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_accelerate_unwraps_and_saves_without_prefix(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r["unwrapped"] is True

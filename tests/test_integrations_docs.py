@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers.torchrun_json import run_two_ranks
+from helpers.torchrun_json import framework_run
 
 for _framework in ("lightning", "accelerate", "transformers"):  # Fabric ships with lightning
     pytest.importorskip(_framework)
@@ -19,12 +19,11 @@ for _framework in ("lightning", "accelerate", "transformers"):  # Fabric ships w
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("docs_integrations")
-    return run_two_ranks("docs_integrations_run.py", out_dir)
+def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return framework_run(request, "docs_integrations_run")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("framework", ["lightning", "fabric", "accelerate", "transformers"])
 def test_documented_lines_train_with_mini_ddp(results: list[dict[str, Any]],
                                               framework: str) -> None:

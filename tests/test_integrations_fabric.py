@@ -1,7 +1,10 @@
 """Lightning Fabric with ``MiniDDPStrategy``: bitwise Fabric's own ``DDPStrategy`` (torch DDP).
 
 The same Fabric loop runs twice in the same two processes (``Fabric(accelerator="cpu",
-devices=2, strategy=...)``, started by Fabric's own launcher): Fabric's ``DDPStrategy``, then
+devices=2, strategy=...)`` under torchrun, in the launch the torchrun framework tests share,
+tests/helpers/frameworks_run.py; the strategies leave launching to Fabric's own code, and
+Lightning's process launcher is exercised by tests/test_integrations_lightning.py): Fabric's
+``DDPStrategy``, then
 ``mini_ddp.integrations.fabric.MiniDDPStrategy``. It takes plain steps with
 ``fabric.clip_gradients(max_norm=)``, accumulates over two micro-batches with
 ``fabric.no_backward_sync(model, enabled=...)`` and ``fabric.clip_gradients(clip_val=)``,
@@ -15,18 +18,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers.torchrun_json import run_two_ranks
+from helpers.torchrun_json import framework_run
 
 pytest.importorskip("lightning")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("fabric")
-    return run_two_ranks("fabric_run.py", out_dir, timeout_s=120, self_launching=True)
+def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return framework_run(request, "fabric_run")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_fabric_trains_bitwise_as_torch_ddp(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r["wrapped_by"] == "DataParallelModel" and r["is DDP"] is True, r
@@ -36,7 +38,7 @@ def test_fabric_trains_bitwise_as_torch_ddp(results: list[dict[str, Any]]) -> No
         assert r["unwrapped"] is True, r  # fabric_model.module is the bare model
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_fabric_no_backward_sync_keeps_gradients_local(results: list[dict[str, Any]]) -> None:
     for r in results:
         # Four micro-batches under no_backward_sync(enabled=True): each rank's own gradients;
@@ -45,14 +47,14 @@ def test_fabric_no_backward_sync_keeps_gradients_local(results: list[dict[str, A
             assert engine["seen"] == {"local": [False] * 4, "synced": [True] * 7}, engine
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_fabric_save_and_load(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r["resumed"] is True and r["torch"]["resumed"] is True, r
         assert r["keys"] == r["torch"]["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_use_mini_ddp_does_not_reach_fabric_ddp_strategy(results: list[dict[str, Any]]) -> None:
     # What docs/integrations.md warns of: Fabric's strategy="ddp" holds torch's class, so the
     # strategy is the way in.

@@ -11,19 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers.torchrun_json import run_two_ranks
+from helpers.torchrun_json import framework_run
 
 pytest.importorskip("transformers")
 
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("transformers")
-    return run_two_ranks("transformers_run.py", out_dir)
+def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return framework_run(request, "transformers_run")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_trainer_trains_bitwise_as_torch_ddp(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r["wrapped_by"] == "DataParallelModel", r
@@ -32,7 +31,7 @@ def test_trainer_trains_bitwise_as_torch_ddp(results: list[dict[str, Any]]) -> N
         assert r["same"] is True, r  # torch.equal on every final parameter
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_trainer_keeps_the_plain_model_and_restores_torch_ddp(results: list[dict[str, Any]]
                                                                ) -> None:
     for r in results:

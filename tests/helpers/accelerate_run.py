@@ -86,9 +86,9 @@ def _run(mini: bool, state_dir: str) -> dict[str, Any]:
             "start": [p.detach().clone() for p in _parts()[0].parameters()]}
 
 
-def main() -> None:
+def main(out_dir: Path) -> None:
+    """The run; each rank writes ``out_dir/rank{R}.json``."""
     warnings.simplefilter("ignore")
-    out_dir = Path(sys.argv[1])
     Accelerator(cpu=True)  # joins the process group torchrun describes
     with tempfile.TemporaryDirectory() as tmp:
         holder = [tmp]  # rank 0's directory: save_state writes there, every rank loads it
@@ -111,4 +111,4 @@ def main() -> None:
 if __name__ == "__main__":
     from torchrun_json import run_rank
 
-    run_rank(main)
+    run_rank(lambda: main(Path(sys.argv[1])))

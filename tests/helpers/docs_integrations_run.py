@@ -106,9 +106,9 @@ def _transformers() -> dict[str, Any]:
                    start)
 
 
-def main() -> None:
+def main(out_dir: Path) -> None:
+    """The run; each rank writes ``out_dir/rank{R}.json``."""
     warnings.simplefilter("ignore")
-    out_dir = Path(sys.argv[1])
     out = {"accelerate": _accelerate(), "transformers": _transformers(), "fabric": _fabric(),
            "lightning": _lightning()}
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(out, indent=1))
@@ -117,4 +117,4 @@ def main() -> None:
 if __name__ == "__main__":
     from torchrun_json import run_rank
 
-    run_rank(main)
+    run_rank(lambda: main(Path(sys.argv[1])))

@@ -1,9 +1,10 @@
 """Lightning Fabric runs for tests/test_integrations_fabric.py: the same Fabric loop, first with
 Fabric's ``DDPStrategy`` (torch DDP), then with ``MiniDDPStrategy``, in the same two processes.
 
-``python fabric_run.py OUT_DIR``: ``Fabric(accelerator="cpu", devices=2, strategy=...)`` and
-``fabric.launch()`` start rank 1 by re-running this command (Fabric's own launcher; under
-torchrun Fabric would join torchrun's ranks instead). The loop: plain steps with ``fabric.clip_gradients(max_norm=)``,
+The tests run it under torchrun with the other framework runs (frameworks_run.py), where
+``Fabric(accelerator="cpu", devices=2, strategy=...)`` and ``fabric.launch()`` join torchrun's
+two ranks; ``python fabric_run.py OUT_DIR`` alone has Fabric's own launcher start rank 1 by
+re-running the command. The loop: plain steps with ``fabric.clip_gradients(max_norm=)``,
 then gradient accumulation over two micro-batches with ``fabric.no_backward_sync(model,
 enabled=...)`` and ``fabric.clip_gradients(clip_val=)``, ``fabric.save`` of model, optimizer
 and step, a restart (new Fabric, model and optimizer) with ``fabric.load``, and more
@@ -114,9 +115,9 @@ def _rebinding_reaches_ddp_strategy() -> str:
     return type(model._forward_module).__name__
 
 
-def main() -> None:
+def main(out_dir: Path) -> None:
+    """The run; each rank writes ``out_dir/rank{R}.json``."""
     warnings.simplefilter("ignore")
-    out_dir = Path(sys.argv[1])
     _fabric(mini=False)  # joins the process group torchrun describes
     with tempfile.TemporaryDirectory() as tmp:
         holder = [tmp]  # rank 0's directory: fabric.save writes there, every rank loads it
@@ -138,4 +139,4 @@ def main() -> None:
 if __name__ == "__main__":
     from torchrun_json import run_rank
 
-    run_rank(main)
+    run_rank(lambda: main(Path(sys.argv[1])))

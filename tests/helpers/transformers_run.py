@@ -59,9 +59,9 @@ def _train(mini: bool, out: str) -> tuple[list[torch.Tensor], str, bool]:
             trainer.model is model and isinstance(wrapped, DDP) and wrapped.module is model)
 
 
-def main() -> None:
+def main(out_dir: Path) -> None:
+    """The run; each rank writes ``out_dir/rank{R}.json``."""
     warnings.simplefilter("ignore")
-    out_dir = Path(sys.argv[1])
     with tempfile.TemporaryDirectory() as tmp:
         theirs, theirs_by, _ = _train(False, tmp)
         ours, ours_by, unwrapped = _train(True, tmp)
@@ -77,4 +77,4 @@ def main() -> None:
 if __name__ == "__main__":
     from torchrun_json import run_rank
 
-    run_rank(main)
+    run_rank(lambda: main(Path(sys.argv[1])))
