@@ -1,8 +1,11 @@
 """The examples run end to end on 2 ranks under every launcher, learn, and resume exactly.
 
-Each example runs as a real subprocess (torchrun, ``--world-size`` spawn, the legacy
-``torch.distributed.launch``), so these tests also cover mini_ddp.training.launch's process handling.
-Runs are cut to a couple of tiny steps: start-up (importing torch in 3 processes, about 30
+Each example runs as a real subprocess under torchrun; the other launchers (``--world-size``
+spawn, the legacy ``torch.distributed.launch``) run one example each, so these tests also cover
+mini_ddp.training.launch's process handling under all three. What the spawn launcher needs of
+an example beyond that (its ``train`` and arguments cross to the children by pickle) is checked
+for every example in this process; ``make demo``'s test runs seed002 under spawn as well. Runs
+are cut to a couple of tiny steps: start-up (importing torch in 3 processes, about 30
 CPU-seconds per launch) dominates, so there are as few launches as the coverage allows, and the
 resume check runs in this process.
 """
@@ -13,9 +16,12 @@ import argparse
 import importlib.util
 import logging
 import os
+import pickle
 import re
 import socket
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import preloaded
@@ -60,8 +66,8 @@ def final_line(output: str) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-@pytest.mark.parametrize("script", EXAMPLES)
+@pytest.mark.parametrize(("script", "launcher"), [*((s, "torchrun") for s in EXAMPLES),
+                                                   ("seed004_mymodel.py", "spawn")])
 def test_example_runs_two_steps(script, launcher, tmp_path):
     output = run_example(launcher, script, "--max-steps", "2", "--batch-size", "4",
                          "--checkpoint-dir", str(tmp_path))
@@ -85,6 +91,26 @@ def test_seed002_learns_on_digits_under_the_legacy_launcher():
     assert losses[-1] < 0.5 * losses[0], losses  # seed 0: 2.29 -> 0.26
     done = DONE.search(final_line(output))
     assert done and done.group(1) == "92" and float(done.group(3)) > 75.0, done  # seed 0: 92%
+
+
+def _load_example(script: str) -> Any:
+    """The example, imported under its file's name (as pickle finds it by reference)."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, EXAMPLE_DIR / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_every_example_can_be_spawned(script):
+    """What the spawn launcher needs of an example beyond what its torchrun run shows:
+    ``launch`` hands ``train`` and the parsed arguments to the children ``mp.spawn`` starts, by
+    pickle (``train`` by reference: a module-level function)."""
+    module = _load_example(script)
+    args = module.parse_args(["--world-size", "2", "--max-steps", "2"])
+    assert pickle.loads(pickle.dumps(module.train)) is module.train
+    assert vars(pickle.loads(pickle.dumps(args))) == vars(args)
 
 
 def _free_port() -> int:
@@ -112,9 +138,7 @@ def test_stop_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, cap
     from mini_ddp.training.checkpoint import load_checkpoint
     from mini_ddp.training.models import Seed002CNN
 
-    spec = importlib.util.spec_from_file_location("seed002_lenet", EXAMPLE_DIR / "seed002_lenet.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_example("seed002_lenet.py")
     # 23 steps per epoch: stop at 12 and resume mid-epoch, to end mid-epoch at 20.
     common = ["--epochs", "2", "--batch-size", "64", "--log-every", "1000"]
     straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
