@@ -69,4 +69,4 @@ $(FLOOR_VENV)/.installed:
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed
-	PYTHONPATH=$(CURDIR)/src OMP_NUM_THREADS=1 $(FLOOR_VENV)/bin/python -m pytest -q -n 2 --timeout=600 $(FLOOR_TESTS)
+	PYTHONPATH=$(CURDIR)/src OMP_NUM_THREADS=1 $(FLOOR_VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) --timeout=600 $(FLOOR_TESTS)
