@@ -240,13 +240,15 @@ def test_every_way_of_looking_at_a_gradient(patterns, how: str) -> None:
 
 _TRACED_IMPORT = r'''
 import sys
+import copy, tempfile, torch, torch.distributed as dist, torch._dynamo
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 def tracer(frame, event, arg):
     frame.f_locals
     return tracer
-sys.settrace(tracer)  # a debugger, or coverage in a mode that reads locals
-import copy, tempfile, torch, torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+# A debugger, or coverage in a mode that reads locals, from mini_ddp's import through its first
+# step (torch's own imports, untraced above, take minutes under a tracer and hold no mini_ddp).
+sys.settrace(tracer)
 from mini_ddp import DataParallelModel
 store = dist.FileStore(tempfile.mktemp(), 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
