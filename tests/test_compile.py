@@ -213,7 +213,7 @@ INDUCTOR_CASES = {order: ("mlp", "inductor", order, {}, 3) for order in ("outer"
 # What each world size runs: the tests below read their cases from one launch per world size.
 # Sharing the ranks keeps each case's meaning: _train resets dynamo (its caches, counters and
 # compiled code) before every run, and no case changes dynamo's or inductor's config. The
-# compiled-autograd cases do, so they have ranks of their own (further down).
+# compiled-autograd runs do, so they come after every case of their launch (further down).
 # Every bitwise case runs at world size 3, where a wrong bucket layout shows in the bits. World
 # size 2 runs the graph-break cases (bitwise too), which are the aot_eager cases of the MLP and
 # the transformer under torch.compile(DDP(m)): those two are checked at both world sizes.
@@ -226,19 +226,23 @@ CASES = {2: {("breaks", k): v for k, v in GRAPH_BREAK_CASES.items()},
 AOT_EAGER_RUNS = [(2, case) for case in SAME_AS_BREAKS] + [(3, case) for case in AOT_EAGER_CASES]
 
 
+PYTHON_REDUCER_BACKENDS = {2: (), 3: ("aot_eager", "inductor")}  # further down
+
+
+def launched(request, world_size: int) -> list[dict[str, Any]]:
+    """Each rank's results of the one launch of ``world_size`` ranks per test run (shared by
+    parallel workers; made when a test first asks for it): the cases of :data:`CASES`, then
+    the compiled-autograd runs of :data:`PYTHON_REDUCER_BACKENDS`."""
+    return shared_result(request, f"test_compile_ws{world_size}", lambda: run_ranks(
+        _launch, world_size, (CASES[world_size], PYTHON_REDUCER_BACKENDS[world_size]),
+        timeout_s=900))
+
+
 @pytest.fixture(scope="module")
 def compared(request):
-    """``compared(world_size, group, case)``: that case's rows (one per rank), from one launch
-    per world size and test run (shared by parallel workers), made when a test first asks for
-    that world size."""
-    launches: dict[int, list[dict]] = {}
-
+    """``compared(world_size, group, case)``: that case's rows (one per rank)."""
     def rows(world_size: int, group: str, case: str) -> list[dict[str, Any]]:
-        if world_size not in launches:
-            launches[world_size] = shared_result(
-                request, f"test_compile_ws{world_size}",
-                lambda: run_ranks(_compare, world_size, (CASES[world_size],), timeout_s=580))
-        return [ranks_rows[(group, case)] for ranks_rows in launches[world_size]]
+        return [ranks["cases"][(group, case)] for ranks in launched(request, world_size)]
 
     return rows
 
@@ -317,24 +321,27 @@ def _compare_python_reducer(ctx, backend: str, steps: int) -> dict[str, Any]:
     return runs
 
 
-def _compare_python_reducer_backends(ctx, backends: tuple[str, ...], steps: int) -> dict:
-    return {backend: _compare_python_reducer(ctx, backend, steps) for backend in backends}
+def _launch(ctx, cases: dict[str, tuple], backends: tuple[str, ...]) -> dict[str, dict]:
+    """A launch's work on one rank: the cases, then the python reducer's runs of ``backends``.
+    Those come last: the mode sets dynamo's config for the whole process, and torch DDP built
+    in it sets inductor's ``_fuse_ddp_communication``, so no case may run after them. The two
+    backends can share the ranks: each sets the same config, each engine's run starts from
+    ``torch._dynamo.reset()`` (which resets compiled autograd too), and torch DDP sets the
+    inductor flag on construction, before its own compile, as it does in a fresh process."""
+    return {"cases": _compare(ctx, cases),
+            "python_reducer": {backend: _compare_python_reducer(ctx, backend, steps=3)
+                               for backend in backends}}
 
 
 @pytest.fixture(scope="module")
 def python_reducer_runs(request) -> dict[str, list[dict[str, Any]]]:
-    """Both backends' runs, per rank, from one launch of their own: the mode sets dynamo's
-    config for the whole process, and torch DDP built in it sets inductor's
-    ``_fuse_ddp_communication``, so the cases above must not run after it. The two backends
-    can share: each sets the same config, each engine's run starts from ``torch._dynamo.reset()``
-    (which resets compiled autograd too), and torch DDP sets the inductor flag on construction,
-    before its own compile, as it does in a fresh process."""
-    results = shared_result(request, "test_compile_python_reducer", lambda: run_ranks(
-        _compare_python_reducer_backends, 3, (("aot_eager", "inductor"), 3), timeout_s=400))
-    return {backend: [runs[backend] for runs in results] for backend in ("aot_eager", "inductor")}
+    """Both backends' runs, per rank, from the world-size-3 launch."""
+    results = launched(request, 3)
+    return {backend: [ranks["python_reducer"][backend] for ranks in results]
+            for backend in PYTHON_REDUCER_BACKENDS[3]}
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_autograd_python_reducer_bitwise_equal_to_torch_ddp(python_reducer_runs,
                                                                      backend):
