@@ -20,10 +20,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m mini_ddp demo
 
-# Four workers on two cores: many tests spend most of their time waiting (for a timeout, a
-# stopped rank, a subprocess), and the others use the CPU meanwhile. Each module runs on one
-# worker (its module-scoped runs happen once), the longest first (tests/conftest.py).
-PYTEST_PARALLEL ?= -n 4 --dist loadscope --no-loadscope-reorder
+# Three workers on two cores: some tests spend most of their time waiting (for a timeout, a
+# stopped rank, a subprocess) while the others use the CPU; a fourth only adds contention (the
+# suite keeps both cores busy with three). Each module runs on one worker (its module-scoped
+# runs happen once), the longest first (tests/conftest.py).
+PYTEST_PARALLEL ?= -n 3 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
 	# The floor first, so the whole suite's summary is the last line of the run.

@@ -71,13 +71,14 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # The modules that take longest (``--durations``, summed per module), started first: under
 # ``--dist loadscope`` a module runs on one worker, and a long one that starts last keeps that
 # worker busy after the others are done. Only the order depends on this list.
-LONG_FIRST = ("test_compile.py", "test_compile_features.py", "test_examples.py",
-              "test_attach.py", "test_ladder.py", "test_integrations_lightning.py",
-              "test_store_faults.py", "test_gpu_check.py", "test_parity_cli.py",
-              "test_doctor.py", "test_mistakes.py", "test_stall_stacks.py", "test_two_hosts.py",
-              "test_comm_hooks.py", "test_docs_comm_hooks.py", "test_demo.py",
-              "test_integrations_fabric.py", "test_example_minimal.py", "test_restart.py",
-              "test_zero_copy.py", "test_bench.py", "test_docs_errors.py")
+LONG_FIRST = ("test_compile.py", "test_compile_features.py", "test_ladder.py", "test_examples.py",
+              "test_integrations_lightning.py", "test_restart.py", "test_gpu_check.py",
+              "test_attach.py", "test_doctor.py", "test_parity_cli.py",
+              "test_example_minimal.py", "test_docs_comm_hooks.py", "test_two_hosts.py",
+              "test_integrations_fabric.py", "test_bench.py", "test_demo.py",
+              "test_comm_hooks.py", "test_mistakes.py", "test_docs_launching.py",
+              "test_core_parity.py", "test_docs_errors.py", "test_zero_copy.py",
+              "test_store_faults.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
