@@ -55,6 +55,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mini_ddp.checks.debug import SyncChecks, debug_requested
 from mini_ddp.checks.grad_watch import GradWatch
+from mini_ddp.engine.observer import Observers
 from mini_ddp.errors import DEBUG_HINT
 from mini_ddp.watch.bounded_store import StoreUnanswered, default_store
 from mini_ddp.watch.peers import explain_peers, note_mistake, peer_states, watch
@@ -86,6 +87,14 @@ class _Step:
         self.expect_hooks = False
 
 
+class _BucketView:
+    """What the checks read of one of torch's buckets (a ``GradBucket``) at ``bucket_ready``."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.sparse = buffer.is_sparse
+
+
 class _ReducerView:
     """What the checks read of a reducer: rank, world size, the synchronised parameters and
     their names (in ``named_parameters`` order: torch's bucket order is its own), the step."""
@@ -100,6 +109,9 @@ class _ReducerView:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.step = _Step()
+        # The engine's events the checks hear under attach: bucket_ready, from the timed comm
+        # hook (none under a built-in C++ hook, whose buckets torch keeps to itself).
+        self.observers = Observers()
 
 
 class _ModelView:
@@ -275,6 +287,9 @@ class Attachment:
 
         def timed(hook_state, bucket):  # noqa: ANN001, ANN202 - torch reads the annotations
             attached = me()
+            if attached is not None:  # the bucket's local gradients, before the hook reduces them
+                reducer = attached.view.reducer
+                reducer.observers.bucket_ready(reducer, _BucketView(bucket.buffer()))
             fut = hook(hook_state, bucket)
             if attached is None or not isinstance(fut, torch._C.Future):
                 return fut  # torch names a hook that returned no future

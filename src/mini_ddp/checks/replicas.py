@@ -5,18 +5,16 @@ averaged gradients), and says nothing when a script breaks that: the ranks then 
 different models, or the same model on the same batches, for the whole run. Two checks, run by
 every :class:`~mini_ddp.engine.model.DataParallelModel` unless ``replica_check_every=None``:
 
-* **Identical data.** The first synchronised backward hashes the *local* gradients (a tensor
-  hook per parameter, before the all-reduce) of the first ``_DATA_GRADS`` (8) parameters whose
-  gradients arrive — the last layers' — into one integer each (the sum of its bits as 8-byte
-  words: one pass, no copy); the other hooks go then, the rest at the next forward, where the
-  ranks compare their hashes. Equal hashes on every rank mean every rank computed on the same
-  batch — no ``DistributedSampler`` — and the warning says so. The first gradients suffice:
-  on the same batch every gradient is bitwise the same on every rank (same model, same
-  kernels), and on different batches the last layer's gradient — a sum over the batch of
-  its inputs times the loss's gradient — differs, and its hash with it, save by a 2^-64
-  chance. Hashing all of them cost a float64 sum and an ``abs()`` copy per gradient (ResNet-18:
-  11.7 M elements, three passes); the first 8 are ResNet-18's ``fc`` and last block's
-  (4.7 M elements, one pass, no copy).
+* **Identical data.** The first synchronised backward hashes the *local* gradients of the
+  first bucket to fill (its ``bucket_ready`` event, before its all-reduce starts: the last
+  layers' gradients, at most ``_DATA_ELEMENTS`` of them) into one integer (the sum of their
+  bits as 8-byte words: one pass, no copy); the ranks compare their hashes at the forwards
+  after it. Equal hashes on every rank mean every rank computed on the same batch — no
+  ``DistributedSampler`` — and the warning says so. The first bucket suffices: on the same
+  batch every gradient is bitwise the same on every rank (same model, same kernels), and on
+  different batches the last layer's gradient — a sum over the batch of its inputs times the
+  loss's gradient — differs, and its hash with it, save by a 2^-64 chance. The engine already
+  holds that bucket's gradients in one flat tensor, so the check needs no hook of its own.
 * **Diverging replicas.** At the first synchronised forward and every ``replica_check_every``
   (100) after it, right after the buffer broadcast, each rank hashes the exact bits of its
   parameters (and of the buffers, when they were just broadcast), lists the modules it runs in
@@ -40,7 +38,8 @@ Neither runs a collective (one on the model's group could pair with another rank
 job that is already out of step): the ranks post their hashes on a
 :class:`~mini_ddp.checks.rank_board.RankBoard` and read the others' at the next synchronised
 forward, by which time every peer has posted — its backward could not have finished without
-this rank's. Cost: hashing the parameters once per check (:func:`bits_hashes`: one integer
+this rank's. The first check's record waits one forward, for the first backward's
+gradient hash, and both go up in one round trip. Cost: hashing the parameters once per check (:func:`bits_hashes`: one integer
 sum over a large tensor's bits, two for each small one, all the small ones together in a
 few kernels, one ``tolist``) and one store round trip at each forward that posts or reads
 (:meth:`~mini_ddp.checks.rank_board.RankBoard.exchange`);
@@ -65,7 +64,6 @@ rank; pass ``buffers=True`` to compare them anyway (e.g. for constant buffers).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import weakref
@@ -75,7 +73,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mini_ddp.engine.hook_groups import passive_hook
 from mini_ddp.engine.model import walk_module
 from mini_ddp.errors import MiniDDPError
 from mini_ddp.watch.stacks import EVAL_FIX
@@ -84,7 +81,7 @@ logger = logging.getLogger("mini_ddp")
 
 DEFAULT_EVERY = 100
 """Synchronised steps between two replica checks (the first is at step 1)."""
-_DATA_GRADS = 8  # local gradients hashed for the identical-data check (module docstring)
+_DATA_ELEMENTS = 1 << 20  # local gradient elements hashed for the identical-data check
 _PATIENCE = 20  # forwards to wait for a peer's record before dropping a comparison (join)
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PREFIX = "mini_ddp (replica check): "
@@ -202,19 +199,17 @@ class ReplicaCheck:
                  strict: bool = False):
         self._model = weakref.ref(model)
         self.board, self.every, self.strict = board, every, strict
-        self._first: dict[int, torch.Tensor | None] = {}  # param index -> local gradient hash
+        self._first: torch.Tensor | None = None  # the first backward's local-gradient hash
         self._first_step: int | None = None
-        self._grad_hooks: list[Any] = []
+        self._first_posted = False
+        self._held: dict[str, Any] = {}  # the first check's record, posted with the hash
         self._pending: dict[str, int] = {}  # board key -> forwards waited for it
         self._told: set[str] = set()  # kinds of difference already warned about
         self._posted: list[str] = []  # this rank's records still up
         # Forwards outside a training step that broadcast the buffers (a collective): every
         # rank must run as many (see the module docstring).
         self.off_step_broadcasts = 0
-        reducer = model.reducer
-        for index, param in enumerate(reducer.params):
-            self._grad_hooks.append(param.register_hook(passive_hook(  # read-only
-                functools.partial(_first_grad_hook, weakref.ref(self), index))))
+        model.reducer.observers.add(self)  # until the first bucket fills (bucket_ready)
 
     @property
     def model(self) -> Any:
@@ -222,43 +217,28 @@ class ReplicaCheck:
         return self._model()
 
     def remove(self) -> None:
-        """Stop checking (the step-1 gradient hooks go too)."""
-        for handle in self._grad_hooks:
-            handle.remove()
-        self._grad_hooks = []
+        """Stop checking."""
+        model = self.model
+        if model is not None and model.reducer is not None:
+            model.reducer.observers.remove(self)
         self.every = None
 
     # ---- identical data: the first synchronised backward's local gradients -----------------
-    def first_grad(self, index: int, grad: torch.Tensor) -> None:
-        """A parameter's local gradient arrived (its tensor hook): hash it if it belongs to the
-        first synchronised backward."""
-        model = self.model
-        if model is None or not model.reducer.step.expect_hooks:
-            return  # not an armed backward (no_sync, a backward of the bare module)
-        if self._first_step is None:
-            self._first_step = model.reducer.step.num_iterations
-        if grad is None:
-            return  # an output left out of the loss: autograd hands the hook no gradient
-        if index in self._first or len(self._first) >= _DATA_GRADS:
-            return
-        self._first[index] = None if grad.is_sparse else _word_sums(_int_view(grad)[None])
-        if len(self._first) == _DATA_GRADS:  # enough: the other parameters' hooks go now
-            for other, handle in enumerate(self._grad_hooks):  # (this one's, which torch is
-                if other != index:  # running, at the next forward)
-                    handle.remove()
+    def bucket_ready(self, reducer: Any, bucket: Any) -> None:
+        """The engine's event: every gradient of ``bucket`` is in, its all-reduce not yet
+        started. The first one of the first synchronised backward is hashed; the check stops
+        listening then."""
+        reducer.observers.remove(self)
+        self._first_step = reducer.step.num_iterations
+        if not bucket.sparse:
+            self._first = _word_sums(_int_view(bucket.buffer[:_DATA_ELEMENTS])[None])
 
     def _first_grads_record(self) -> dict[str, Any]:
-        """This rank's record of the first synchronised backward's local-gradient hashes; the
-        step-1 gradient hooks are removed (their work is done)."""
-        for handle in self._grad_hooks:
-            handle.remove()
-        self._grad_hooks = []
-        hashed = sorted(i for i, h in self._first.items() if h is not None)
-        lists = dict(zip(hashed, _as_lists([self._first[i] for i in hashed]), strict=True))
-        sums = [(i, lists.get(i)) for i in sorted(self._first)]
-        digest = hashlib.sha1(repr(sums).encode()).hexdigest()
-        zero = all(h is None or not any(h) for _, h in sums)
-        return {"step": self._first_step, "hash": digest, "zero": zero}
+        """This rank's record of the first synchronised backward's local-gradient hash."""
+        self._first_posted = True
+        sums = _as_lists([self._first])[0]
+        return {"step": self._first_step, "hash": hashlib.sha1(repr(sums).encode()).hexdigest(),
+                "zero": not any(sums)}
 
     def _compare_first_grads(self, records: dict[int, Any]) -> None:
         if any(r["zero"] for r in records.values()):
@@ -286,14 +266,20 @@ class ReplicaCheck:
         them missing and cost a round trip for nothing."""
         post: dict[str, Any] = {}
         remove: list[str] = []
-        if self._first and self._grad_hooks:
+        if self._first is not None and not self._first_posted:
             post["first_grads"] = self._first_grads_record()
+        post.update(self._held)  # the first check's record, held for the hash (docstring)
+        self._held = {}
         if self.every is not None and (step == 1 or step % self.every == 0):
             key = f"replicas/{step}"
-            post[key] = self._replica_record(step, buffers_synced)
+            record = self._replica_record(step, buffers_synced)
             if len(self._posted) == 2:  # every peer has compared the one before the last: a
                 remove.append(self._posted.pop(0))  # rank is never more than one step behind
             self._posted.append(key)
+            if self._first_step is None and not self._first_posted:
+                self._held[key] = record  # the first backward's hash comes before the next
+            else:  # forward: one round trip for both
+                post[key] = record
         read = list(self._pending)
         if not (post or read or remove):
             return
@@ -405,12 +391,6 @@ class ReplicaCheck:
         if kind not in self._told:
             self._told.add(kind)
             logger.warning("%s%s", PREFIX, text)
-
-
-def _first_grad_hook(check_ref: weakref.ref, index: int, grad: torch.Tensor) -> None:
-    check = check_ref()
-    if check is not None:
-        check.first_grad(index, grad)
 
 
 # ---- on demand: the desync detector (a collective every rank calls) ----------------------

@@ -906,6 +906,7 @@ class Reducer(TorchReducerAPI):
                     self.scale_bucket(bucket)
                 elif self.config.batched_grad_copy:
                     self.flush_batched(bucket)
+                self.observers.bucket_ready(self, bucket)
                 self.all_reduce_bucket(bucket)
             self.step.next_bucket = len(buckets)
         self.finalize_backward()
