@@ -39,10 +39,10 @@ job that is already out of step): the ranks post their hashes on a
 :class:`~mini_ddp.checks.rank_board.RankBoard` and read the others' at the next synchronised
 forward, by which time every peer has posted — its backward could not have finished without
 this rank's. The first check's record waits one forward, for the first backward's
-gradient hash, and both go up in one round trip. Cost: hashing the parameters once per check (:func:`bits_hashes`: one integer
-sum over a large tensor's bits, two for each small one, all the small ones together in a
-few kernels, one ``tolist``) and one store round trip at each forward that posts or reads
-(:meth:`~mini_ddp.checks.rank_board.RankBoard.exchange`);
+gradient hash, and both go up in one round trip. Cost: hashing the parameters once per
+check (:func:`bits_hashes`: one integer sum over a large tensor's bits, two for each small
+one, all the small ones together in a few kernels, one ``tolist``) and one store round trip
+at each forward that posts or reads (:meth:`~mini_ddp.checks.rank_board.RankBoard.exchange`);
 docs/debugging.md has the measured figure. By default a difference is a WARNING on the ``"mini_ddp"`` logger, once per kind; under
 mini_ddp's debug switch (:func:`mini_ddp.checks.debug.debug_requested`) it raises
 :class:`ReplicasDifferError` on every rank.
