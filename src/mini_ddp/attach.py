@@ -12,9 +12,12 @@ honouring ``MINI_DDP_DEBUG=1``. ``attach`` works only through torch's public sur
   ``module`` (it runs after torch's buffer broadcast): they count the synchronised steps and
   call the checks where a DataParallelModel calls them;
 * post-accumulate-grad hooks on the synchronised parameters: which backward a forward armed;
-* a communication hook that times each bucket's future: torch's ``allreduce_hook`` unless the
-  user registers one (``register_comm_hook`` is wrapped on this instance, so the user's hook is
-  timed instead — it composes, and torch's once-only rule still holds);
+* a communication hook that times each bucket's future and tells the checks the bucket's
+  local gradients before it reduces them (the replica check's identical-data hash): torch's
+  ``allreduce_hook`` unless the user registers one (``register_comm_hook`` is wrapped on this
+  instance, so the user's hook is timed instead — it composes, and torch's once-only rule still
+  holds). A built-in C++ hook (``_register_builtin_comm_hook``) keeps its buckets to itself:
+  they go untimed, and the identical-data hash is not taken;
 * the process group's store, for the finish marks, the checks' records and the stack requests.
 
 What it runs: the replica check (identical data, weights loaded on one rank, a rank left in
