@@ -371,3 +371,33 @@ def test_the_tutorial_quotes_the_shipped_artefacts():
     rebuilt = layout[layout.index(next(line for line in layout if line.startswith("layout 2"))):]
     quoted = [line for line in rebuilt if line.startswith("       0  float32")]
     assert quoted and quoted[0] in page  # the tutorial's excerpt of the rebuilt layout
+
+
+def test_the_static_graphs_first_iteration_tells_bucket_ready_for_every_bucket(one_rank_group):
+    """Iteration 1 of a static graph reduces every bucket at the end of backward (DDP's
+    delay_all_reduce); each bucket still goes ready before its launch, as in later steps."""
+    from mini_ddp.engine.observer import Observer
+
+    class Seen(Observer):
+        def __init__(self) -> None:
+            self.ready: list[int] = []
+            self.launched: list[int] = []
+
+        def bucket_ready(self, reducer, bucket) -> None:
+            self.ready.append(bucket.index)
+
+        def bucket_launched(self, reducer, bucket) -> None:
+            assert bucket.index in self.ready  # ready before launched
+            self.launched.append(bucket.index)
+
+    torch.manual_seed(0)
+    model = DataParallelModel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)),
+                              static_graph=True)
+    seen = Seen()
+    model.reducer.observers.add(seen)
+    for _ in range(2):
+        seen.ready, seen.launched = [], []
+        model(torch.randn(8, 64)).sum().backward()
+        buckets = len(model.reducer.layout.buckets)
+        assert sorted(seen.ready) == list(range(buckets))
+        assert sorted(seen.launched) == list(range(buckets))
