@@ -11,7 +11,7 @@ from torch import nn
 
 from mini_ddp import DataParallelModel
 from mini_ddp.engine.config import format_bytes
-from mini_ddp.engine.observer import Observers
+from mini_ddp.engine.observer import Observer, Observers
 from mini_ddp.observe.timeline import (
     overlap,
     overlap_summary,
@@ -376,8 +376,6 @@ def test_the_tutorial_quotes_the_shipped_artefacts():
 def test_the_static_graphs_first_iteration_tells_bucket_ready_for_every_bucket(one_rank_group):
     """Iteration 1 of a static graph reduces every bucket at the end of backward (DDP's
     delay_all_reduce); each bucket still goes ready before its launch, as in later steps."""
-    from mini_ddp.engine.observer import Observer
-
     class Seen(Observer):
         def __init__(self) -> None:
             self.ready: list[int] = []
