@@ -42,8 +42,11 @@ def pytest_configure(config) -> None:
     from mini_ddp.training.spawn import forkserver_context
     forkserver_context(also_preload=("pytest", "helpers.ranks"))
     if os.environ.get("MINI_DDP_TEST_CPU_LOG"):  # CPU seconds per test (tests/helpers/cpu_account.py)
-        from helpers.cpu_account import CpuAccount
-        config.pluginmanager.register(CpuAccount(os.environ["MINI_DDP_TEST_CPU_LOG"]))
+        from helpers.cpu_account import CpuAccount, MachineAccount
+        log = os.environ["MINI_DDP_TEST_CPU_LOG"]
+        config.pluginmanager.register(CpuAccount(log))
+        if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
+            config.pluginmanager.register(MachineAccount(log))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

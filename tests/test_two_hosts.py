@@ -9,6 +9,8 @@ crosses the veth over TCP; the test checks its byte counters to be sure.
 A second test cuts the link in the middle of training, as a host that loses power or network
 would: no connection is closed, so Gloo notices nothing and every rank must be stopped by
 DataParallelModel's own deadline (``sync_timeout_s``), with an error naming what it waited for.
+Both read one launch (starting two torchrun nodes is most of the cost): the side-by-side steps
+and rank 0's report first, then mini_ddp alone in the same ranks until the link is cut.
 
 Two processes per node (world size 4), not one: at world size 2 every way of averaging gives
 the same bits, so a parity check there could not catch a wrong engine.
@@ -44,7 +46,7 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=hang_bound(30))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_hosts():
     """Yield [(namespace, veth, address)] for the two hosts; delete them afterwards."""
     if shutil.which("ip") is None:
@@ -109,55 +111,66 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
     return outputs
 
 
-@pytest.mark.timeout(420)
-def test_parity_with_torch_ddp_across_two_network_namespaces(two_hosts, tmp_path: Path):
-    report = tmp_path / "report.json"
-    procs = _start_nodes(two_hosts, ["--out", str(report)])
-    outputs = _finish(procs, 360)
-    for node_rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"node {node_rank}:\n{out[-4000:]}"
+@pytest.fixture(scope="module")
+def launch(two_hosts, tmp_path_factory) -> dict:
+    """Both tests' launch: the side-by-side steps (rank 0's report), then mini_ddp alone until
+    the link is cut, 5 steps in. The veth counters are read before the cut."""
+    folder = tmp_path_factory.mktemp("two_hosts")
+    report, errors = folder / "report.json", folder / "errors"
+    errors.mkdir()
+    procs = _start_nodes(two_hosts, ["--out", str(report), "--errors", str(errors),
+                                     "--sync-timeout", str(SYNC_TIMEOUT_S)])
+    cut_at, traffic = None, {}
+    try:
+        deadline = time.monotonic() + hang_bound(300)
+        while not (errors / "step5").exists():  # let training get going first
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.2)
+        else:
+            traffic = {namespace: _veth_bytes(namespace, veth) for namespace, veth, _ in two_hosts}
+            namespace, veth, _ = two_hosts[1]
+            cut_at = time.time()
+            assert _ip("-n", namespace, "link", "set", veth, "down").returncode == 0
+    finally:  # on every path: wait for the nodes, stop them if they hang
+        outputs = _finish(procs, 300 if cut_at else 5)
+    return {"report": json.loads(report.read_text()) if report.exists() else None,
+            "traffic": traffic, "cut_at": cut_at, "outputs": outputs,
+            "exited_after": time.time() - cut_at if cut_at else None,
+            "returncodes": [p.returncode for p in procs],
+            "errors": {r: json.loads((errors / f"rank{r}.json").read_text())
+                       for r in range(2 * NPROC_PER_NODE) if (errors / f"rank{r}.json").exists()}}
 
-    result = json.loads(report.read_text())
+
+def _tails(launch: dict) -> list[str]:
+    return [out[-3000:] for out in launch["outputs"]]
+
+
+@pytest.mark.timeout(420)
+def test_parity_with_torch_ddp_across_two_network_namespaces(launch):
+    result = launch["report"]
+    assert result is not None, _tails(launch)  # every rank finished the side-by-side steps
     assert result["world_size"] == 2 * NPROC_PER_NODE
     assert result["mismatches"] == [], result["mismatches"]
     # Half the ranks lived on each side of the link.
     where = sorted(r["address"] for r in result["ranks"])
     assert where == sorted(ADDRESSES * NPROC_PER_NODE), result["ranks"]
     # And the traffic really went through the veth (several all-reduces of a 23 KB model).
-    for namespace, veth, _ in two_hosts:
-        received, sent = _veth_bytes(namespace, veth)
+    assert len(launch["traffic"]) == 2, _tails(launch)
+    for namespace, (received, sent) in launch["traffic"].items():
         assert received > 100_000 and sent > 100_000, (namespace, received, sent)
 
 
 @pytest.mark.timeout(420)
-def test_a_network_partition_stops_every_rank_with_a_named_timeout(two_hosts, tmp_path: Path):
-    errors = tmp_path / "errors"
-    errors.mkdir()
-    procs = _start_nodes(two_hosts, ["--out", str(tmp_path / "unused.json"), "--errors",
-                                     str(errors), "--steps", "100000",
-                                     "--sync-timeout", str(SYNC_TIMEOUT_S)])
-    cut_at = None
-    try:
-        deadline = time.monotonic() + hang_bound(300)
-        while not (errors / "step5").exists():  # let training get going first
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                pytest.fail("training did not reach step 5 on both nodes")
-            time.sleep(0.2)
-        namespace, veth, _ = two_hosts[1]
-        cut_at = time.time()
-        assert _ip("-n", namespace, "link", "set", veth, "down").returncode == 0
-    finally:  # on every path: wait for the nodes, stop them if they hang
-        outputs = _finish(procs, 300 if cut_at else 5)
-    exited_after = time.time() - cut_at
-
-    reports = {r: json.loads((errors / f"rank{r}.json").read_text())
-               for r in range(2 * NPROC_PER_NODE) if (errors / f"rank{r}.json").exists()}
-    assert len(reports) == 2 * NPROC_PER_NODE, (reports, [o[-3000:] for o in outputs])
+def test_a_network_partition_stops_every_rank_with_a_named_timeout(launch):
+    cut_at, reports = launch["cut_at"], launch["errors"]
+    assert cut_at is not None, f"training did not reach step 5 on both nodes: {_tails(launch)}"
+    assert len(reports) == 2 * NPROC_PER_NODE, (reports, _tails(launch))
     for rank, report in reports.items():
         assert report["type"] in ("GradSyncTimeout", "CollectiveError"), report
         assert f"rank {rank}" in report["message"] and "bucket" in report["message"], report
         # Nothing but our deadline can end this wait: not Gloo (120 s here), not TCP.
         assert report["at"] - cut_at < SYNC_TIMEOUT_S + hang_bound(30), report
-    assert all(p.returncode != 0 for p in procs), outputs
+    assert all(code != 0 for code in launch["returncodes"]), _tails(launch)
     print(f"partition: errors {sorted(round(r['at'] - cut_at, 2) for r in reports.values())} s "
-          f"after the cut, torchrun exited {exited_after:.1f} s after it")
+          f"after the cut, torchrun exited {launch['exited_after']:.1f} s after it")

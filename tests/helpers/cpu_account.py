@@ -13,7 +13,9 @@ wall seconds. ``python tests/helpers/cpu_account.py cpu.jsonl`` sums them per mo
 The tree is read from ``/proc`` (Linux only): for each process, its own CPU and that of the
 children it has reaped, so the ranks a forkserver started and reaped are counted through it.
 A process that leaves the tree unreaped (re-parented away, or never waited for) is missed, so
-the figures are a lower bound.
+the figures are a lower bound. The run's controller also adds one line with the machine's busy
+and idle CPU seconds over the whole run (``/proc/stat``: every process, the suite's and any
+other): an upper bound on a quiet machine, printed under the table.
 """
 
 from __future__ import annotations
@@ -55,6 +57,32 @@ def tree_cpu_s(root: int) -> float:
     return total / _TICKS
 
 
+def machine_cpu_s() -> tuple[float, float]:
+    """The machine's busy and idle CPU seconds since boot, all cores (``/proc/stat``)."""
+    with open("/proc/stat") as stat:
+        fields = [int(f) for f in stat.readline().split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / _TICKS, (idle + iowait) / _TICKS
+
+
+class MachineAccount:
+    """In the run's controller: one JSON line ``{"machine": {...}}`` at the end with the
+    machine's busy and idle CPU seconds and the wall seconds since the run started."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.start, self.wall = machine_cpu_s(), time.monotonic()
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        busy, idle = machine_cpu_s()
+        line = json.dumps({"machine": {"busy_cpu_s": round(busy - self.start[0], 1),
+                                       "idle_cpu_s": round(idle - self.start[1], 1),
+                                       "wall_s": round(time.monotonic() - self.wall, 1),
+                                       "cores": os.cpu_count()}})
+        with open(self.path, "a") as log:
+            log.write(line + "\n")
+
+
 class CpuAccount:
     """A pytest plugin: one JSON line per test in ``path`` (appended: parallel workers share
     it, each line written in one call)."""
@@ -78,9 +106,13 @@ def main(path: str) -> None:
     cpu: collections.Counter[str] = collections.Counter()
     wall: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
+    machine = []
     with open(path) as log:
         for line in log:
             row = json.loads(line)
+            if "machine" in row:
+                machine.append(row["machine"])
+                continue
             module = row["test"].split("::")[0]
             cpu[module] += row["cpu_s"]
             wall[module] += row["wall_s"]
@@ -89,6 +121,9 @@ def main(path: str) -> None:
     for module, seconds in cpu.most_common():
         print(f"{seconds:8.1f} {wall[module]:8.1f} {count[module]:5d}  {module}")
     print(f"{sum(cpu.values()):8.1f} {sum(wall.values()):8.1f} {sum(count.values()):5d}  total")
+    for run in machine:
+        print(f"the machine, over a run of {run['wall_s']:.0f} s: {run['busy_cpu_s']:.0f} CPU s "
+              f"busy, {run['idle_cpu_s']:.0f} idle, {run['cores']} cores (every process on it)")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ the same per-rank batches, and compares every gradient and every parameter with 
 after every step. Rank 0 writes ``{"world_size", "mismatches", "ranks"}`` as JSON to ``--out``,
 where ``ranks`` lists each rank's address on its ``GLOO_SOCKET_IFNAME`` interface.
 
-With ``--errors DIR`` (the network-partition test) each rank instead trains mini_ddp alone for
-``--steps`` steps, touches ``DIR/step{n}`` as it goes, and when something raises writes
-``DIR/rank{r}.json`` with the error's type, message and wall-clock time, then exits 1.
+With ``--errors DIR`` (the network partition) each rank then goes on training mini_ddp alone
+for ``--partition-steps`` steps, touches ``DIR/step{n}`` as it goes, and when something raises
+writes ``DIR/rank{r}.json`` with the error's type, message and wall-clock time, then exits 1.
 """
 
 from __future__ import annotations
@@ -46,18 +46,27 @@ def _model() -> nn.Module:
 
 
 def main() -> None:
-    """Run the comparison in this rank; rank 0 reports."""
+    """Run the comparison in this rank (rank 0 reports), then the partition run if asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--errors", default=None, help="partition test: report errors here")
+    parser.add_argument("--steps", type=int, default=4, help="side-by-side steps")
+    parser.add_argument("--errors", default=None,
+                        help="then train until it breaks, and report the error here")
+    parser.add_argument("--partition-steps", type=int, default=100000)
     parser.add_argument("--sync-timeout", type=float, default=300.0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    _side_by_side(args)
     if args.errors:
-        sys.exit(_until_it_breaks(args, rank))
+        sys.exit(_until_it_breaks(args, dist.get_rank()))
+    dist.destroy_process_group()
+
+
+def _side_by_side(args: argparse.Namespace) -> None:
+    """torch DDP and DataParallelModel for ``args.steps`` steps, compared after each; rank 0
+    writes the report (whole: written aside, then renamed, for a test that waits for it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)
     base = _model()
     # A small cap gives several buckets after the rebuild: several collectives per step.
@@ -90,9 +99,9 @@ def main() -> None:
     if rank == 0:
         report = {"world_size": world, "ranks": everyone,
                   "mismatches": [m for r in everyone for m in r["mismatches"]]}
-        with open(args.out, "w") as f:
+        with open(args.out + ".part", "w") as f:
             json.dump(report, f)
-    dist.destroy_process_group()
+        os.replace(args.out + ".part", args.out)
 
 
 def _until_it_breaks(args: argparse.Namespace, rank: int) -> int:
@@ -101,7 +110,7 @@ def _until_it_breaks(args: argparse.Namespace, rank: int) -> int:
     model = DataParallelModel(_model(), bucket_cap_mb=0.01, sync_timeout_s=args.sync_timeout)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
-        for step in range(args.steps):
+        for step in range(args.partition_steps):
             model(torch.randn(8, 20)).square().mean().backward()
             opt.step()
             opt.zero_grad()
