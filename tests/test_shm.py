@@ -26,8 +26,9 @@ import torch.distributed as dist
 from helpers.deadlines import hang_bound
 from helpers.ranks import RanksFailed, run_ranks
 
+import mini_ddp.transport.shm as shm_transport
 from mini_ddp.engine.buckets import storage_use_count
-from mini_ddp.transport import shm_files
+from mini_ddp.transport import shm_files, shm_sync
 from mini_ddp.transport.shm import (
     FILE_PREFIX,
     SHM_DIR,
@@ -83,6 +84,19 @@ def _token_maps(token: str) -> int:
     """How many of this process's memory mappings are files of the transport ``token``."""
     with open("/proc/self/maps") as f:
         return sum(f"{FILE_PREFIX}{token}_" in line for line in f)
+
+
+def _open_segments(files: list[tuple[int, int]]) -> int:
+    """This process's open descriptors of the memory files ``files`` (device, inode): a
+    segment made again for the same slot has the label of the one before it, not its inode."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            stat = os.stat(f"/proc/self/fd/{fd}")
+            count += (stat.st_dev, stat.st_ino) in files
+        except OSError:  # the listing's own descriptor, gone
+            pass
+    return count
 
 
 def _outcome(fn) -> tuple[str, str, float]:
@@ -161,9 +175,47 @@ def _all_ranks(ctx) -> dict:
     out["after_alloc_error"] = after.tolist()
     del after
 
+    # Segments reserved ahead (a model's constructor does it during its broadcast): taken by
+    # the allocation of the same size and dtype, made afresh for another, and a reservation
+    # that failed on one rank fails the allocation on every rank.
+    made_at_allocation, reserved_files = [], []
+
+    def counted(*args):
+        made_at_allocation.append(args[1])
+        return shm_files.create_segment(*args)
+
+    def recorded(*args):
+        segment = shm_files.create_segment(*args)
+        stat = os.fstat(segment.fd)
+        reserved_files.append((stat.st_dev, stat.st_ino))
+        return segment
+
+    reserving = mock.patch.object(shm_transport, "create_segment", recorded)
+    reserving.start()  # until the transport is closed: its last reservation is never taken
+    with mock.patch.object(shm_sync, "create_segment", counted):
+        shm.reserve([(1000, torch.float32), (7, torch.float64)])
+        taken, remade = shm.allocate(1000, torch.float32), shm.allocate(8, torch.float64)
+    for t in (taken, remade):
+        t.fill_(rank + 1)
+        shm.all_reduce(t).wait()
+    # The segment taken stays mapped (Python's mmap holds a descriptor of its own); the one
+    # reserved for 7 elements is closed.
+    out["reserved"] = (made_at_allocation, taken[:2].tolist(), remade[:2].tolist(),
+                       _open_segments(reserved_files[1:]))
+    with mock.patch.object(shm_files.os, "memfd_create",
+                           no_memory if rank == 1 else os.memfd_create):
+        shm.reserve([(10, torch.float64)])
+        out["reserve_error"] = _outcome(lambda: shm.allocate(10, torch.float64))[:2]
+    shm.free(taken)
+    shm.free(remade)
+    del taken, remade
+    shm.reserve([(100, torch.float32)])  # never allocated: closed with the transport
+
     shm.close()
     shm.close()  # idempotent
     out["closed"] = _outcome(lambda t=bufs[0]: shm.all_reduce(t))[:2]
+    reserving.stop()
+    out["open_after_close"] = _open_segments(reserved_files[-1:])
     del bufs
 
     # Desync 1: the ranks reduce different buffers. Both futures fail; so does the next call.
@@ -227,6 +279,20 @@ def test_failed_allocation_fails_on_both_ranks_and_transport_survives(
         assert "rank 1 could not create" in message
         world = len(ranks)
         assert out["after_alloc_error"] == [sum(r + 0.5 for r in range(world))] * 5
+
+
+def test_reserved_segments_are_taken_or_closed(ranks: list[dict]) -> None:
+    world = len(ranks)
+    for out in ranks:
+        made_at_allocation, taken, remade, still_open = out["reserved"]
+        assert made_at_allocation == [8], made_at_allocation  # only the size not reserved
+        assert taken == remade == [world * (world + 1) / 2] * 2
+        assert still_open == 0  # the reservation for another size is closed
+        kind, message = out["reserve_error"]
+        assert kind == ShmAllocationError.__name__, message
+        assert "rank 1 could not create" in message and "out of memory (injected)" in \
+            " ".join(r["reserve_error"][1] for r in ranks)
+        assert out["open_after_close"] == 0
 
 
 def test_desync_is_a_clear_error_on_both_ranks(ranks: list[dict]) -> None:

@@ -2,9 +2,11 @@
 
 Per ``DataParallelModel(...)`` on two and three CPU ranks: the Gloo collectives (the first
 model on a group opens its shared-memory channel with two votes; later ones reuse it with
-none), the shared-memory transport's socket exchanges (one per bucket allocated), threads the
-constructor itself starts and waits for (none, after the process's first model), walks over the module's tree (one), and
-memory made resident in shared memory (none: pages are mapped at their first touch). The
+none), the shared-memory transport's socket exchanges (one per bucket allocated), segments
+made while allocating (none: they are reserved on the transport's worker during the start-up
+broadcast), threads the constructor itself starts (none, after the process's first model),
+walks over the module's tree (one), and memory made resident in shared memory (none: pages
+are mapped at their first touch). The
 gradients still equal torch DDP's, bit for bit, after a re-wrap.
 """
 
@@ -59,7 +61,7 @@ def _counted_wraps(ctx) -> dict:
     patches = {name: getattr(dist, name) for name in ("all_gather", "all_reduce", "broadcast",
                                                       "all_gather_object")}
     real_exchange, real_start = shm_sync.PeerSync.exchange, threading.Thread.start
-    real_walk = nn.Module.named_modules
+    real_walk, real_create = nn.Module.named_modules, shm_sync.create_segment
 
     def exchange(self, *args, **kwargs):
         bump("socket exchanges")
@@ -69,6 +71,10 @@ def _counted_wraps(ctx) -> dict:
         if threading.current_thread() is me:
             bump("threads started and waited for")
         return real_start(self)
+
+    def made_while_allocating(*args):  # not reserved ahead, during the broadcast
+        bump("segments made while allocating")
+        return real_create(*args)
 
     def walk(self, *args, **kwargs):
         if root and self is root[0]:
@@ -80,7 +86,7 @@ def _counted_wraps(ctx) -> dict:
     for name, real in patches.items():
         setattr(dist, name, counting(name, real))
     shm_sync.PeerSync.exchange, threading.Thread.start = exchange, start
-    nn.Module.named_modules = walk
+    nn.Module.named_modules, shm_sync.create_segment = walk, made_while_allocating
     try:
         for label in ("first", "second", "after a drop"):
             module = copy.deepcopy(base)
@@ -99,7 +105,7 @@ def _counted_wraps(ctx) -> dict:
         for name, real in patches.items():
             setattr(dist, name, real)
         shm_sync.PeerSync.exchange, threading.Thread.start = real_exchange, real_start
-        nn.Module.named_modules = real_walk
+        nn.Module.named_modules, shm_sync.create_segment = real_walk, real_create
     # The re-wrapped model still trains as torch DDP does.
     ref = DDP(copy.deepcopy(base))
     for m in (model, ref):
@@ -117,9 +123,10 @@ def test_wrapping_counts(world_size: int) -> None:
         # (parameters and float buffers; the int64 batch counter is a second), the votes.
         base = {"all_gather": 1, "broadcast": 2, "socket exchanges": 1, "module walks": 1,
                 "resident KiB": 0}
-        # The first model of the process also starts the one thread that starts the stack
-        # responders (mini_ddp.watch.stacks), once.
-        assert out["first"] == {**base, "all_reduce": 2, "threads started and waited for": 1}, \
+        # The first model of the process also starts, once each, the thread that starts the
+        # stack responders (mini_ddp.watch.stacks) and the group's shared-memory worker, which
+        # reserves the buckets' memory while the broadcast runs (else the first sum starts it).
+        assert out["first"] == {**base, "all_reduce": 2, "threads started and waited for": 2}, \
             (rank, out["first"])
         assert out["second"] == base, (rank, out["second"])
         assert out["after a drop"] == base, (rank, out["after a drop"])

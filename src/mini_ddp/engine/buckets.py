@@ -275,14 +275,19 @@ class Bucket:
                                                               strict=True)]
 
 
+def _sparse_bucket(indices: list[int], expect_sparse: Sequence[bool] | None) -> bool:
+    # A parameter that expects sparse gradients has a bucket of its own, with no buffer.
+    return bool(expect_sparse and len(indices) == 1 and expect_sparse[indices[0]])
+
+
 def build_buckets(layout: list[list[int]], params: Sequence[torch.Tensor],
                   allocate: Allocator = zeros_allocator,
                   expect_sparse: Sequence[bool] | None = None
                   ) -> tuple[list[Bucket], list[tuple[int, int]]]:
     """Make the buckets for ``layout`` and a locator: param index -> (bucket, position)."""
-    buckets = [Bucket.build(i, indices, params, allocate, sparse=bool(
-        expect_sparse and len(indices) == 1 and expect_sparse[indices[0]]))
-        for i, indices in enumerate(layout)]
+    buckets = [Bucket.build(i, indices, params, allocate,
+                            sparse=_sparse_bucket(indices, expect_sparse))
+               for i, indices in enumerate(layout)]
     locator: list[tuple[int, int]] = [(-1, -1)] * len(params)
     for bucket in buckets:
         for pos, param_index in enumerate(bucket.param_indices):
@@ -367,6 +372,13 @@ class _ArmedBy:
 _ARMED_BY = _ArmedBy()
 
 
+def _in_shared_memory(numel: int, dtype: torch.dtype, device: torch.device,
+                      config: DataParallelConfig) -> bool:
+    # Where the transport sums a bucket: CPU floats of at least shared_memory_min_bytes.
+    return device.type == "cpu" and shm_supported(dtype) \
+        and numel * dtype.itemsize >= config.shared_memory_min_bytes
+
+
 class BucketLayout:
     """The reducer's buckets, where each parameter sits in them, and their rebuild."""
 
@@ -385,18 +397,38 @@ class BucketLayout:
         # Another live wrapper armed for some of these parameters since this one was built: both
         # reducers' hooks see their gradients (and both write them back). Set by the claims.
         self.shared_with_another = False
-        # Iteration 1: one bucket per dtype/device unless unused parameters are searched for
-        # (then DDP applies the size caps over the definition order). The list is reversed so
-        # the last-defined parameters, whose gradients come first, are in bucket 0.
-        self.install(list(reversed(assign_buckets(
-            params, config.initial_size_limits(), expect_sparse=config.expect_sparse_gradients))))
+        self.install(self.initial_layout(params, config))
+
+    @staticmethod
+    def initial_layout(params: Sequence[torch.Tensor], config: DataParallelConfig
+                       ) -> list[list[int]]:
+        """Iteration 1's buckets (parameter indices), bucket 0 first: one per dtype/device
+        unless unused parameters are searched for (then DDP applies the size caps over the
+        definition order). Reversed, so that the last-defined parameters, whose gradients
+        come first, are in bucket 0."""
+        return list(reversed(assign_buckets(params, config.initial_size_limits(),
+                                            expect_sparse=config.expect_sparse_gradients)))
+
+    @classmethod
+    def initial_shared_sizes(cls, params: Sequence[torch.Tensor], config: DataParallelConfig
+                             ) -> list[tuple[int, torch.dtype]]:
+        """``(numel, dtype)`` of each buffer that a new layout over ``params`` takes from the
+        transport, in the order it allocates them: what the model's constructor reserves
+        ahead (:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.reserve`)."""
+        sizes = []
+        for indices in cls.initial_layout(params, config):
+            if _sparse_bucket(indices, config.expect_sparse_gradients):
+                continue
+            first = params[indices[0]]
+            numel = sum(params[i].numel() for i in indices)
+            if _in_shared_memory(numel, first.dtype, first.device, config):
+                sizes.append((numel, first.dtype))
+        return sizes
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A bucket's zero-filled buffer: shared memory when the transport will sum it."""
         dtype = self.grad_dtype or dtype
-        nbytes = numel * dtype.itemsize
-        if self.transport is not None and device.type == "cpu" and shm_supported(dtype) \
-                and nbytes >= self.config.shared_memory_min_bytes:
+        if self.transport is not None and _in_shared_memory(numel, dtype, device, self.config):
             try:
                 return self.transport.allocate(numel, dtype)  # collective: same on all ranks
             except ShmAllocationError as err:  # raised on all ranks: all fall back

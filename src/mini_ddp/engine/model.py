@@ -43,7 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mini_ddp.engine import join as joining
 from mini_ddp.engine import observer
-from mini_ddp.engine.buckets import expect_sparse_gradients
+from mini_ddp.engine.buckets import BucketLayout, expect_sparse_gradients
 from mini_ddp.engine.comm import (
     BROADCAST_BUCKET_BYTES,
     dist_broadcast_coalesced,
@@ -250,20 +250,26 @@ class DataParallelModel(DistributedDataParallel):
         # sharing a host, and every rank asked for it).
         offer = SharedMemoryAllreduce.offer(self.process_group) \
             if self.config.shared_memory_allreduce and self.device_type == "cpu" else None
-        offers = None
+        offers, self.transport = None, None
         try:
             if init_sync:
                 offers = verify_params_across_ranks(
                     named, self.process_group, NO_OFFER if offer is None else offer.fields)
+            self.transport = SharedMemoryAllreduce.from_offer(offer, offers)
+            if self.transport is not None:  # its worker thread must not outlive the model
+                weakref.finalize(self, self.transport.close, wait=False)
+                if init_sync:  # the buckets' memory is reserved while the broadcast runs
+                    self.transport.reserve(BucketLayout.initial_shared_sizes(
+                        [p for _, p in named], self.config))
+            if init_sync:
                 self.broadcast_module_states(include_buffers=init_bufs, flight=flight,
                                              walk=walk)
         except BaseException:
-            if offer is not None:
+            if self.transport is not None:
+                self.transport.close(wait=False)
+            elif offer is not None:
                 offer.close()
             raise
-        self.transport = SharedMemoryAllreduce.from_offer(offer, offers)
-        if self.transport is not None:  # its worker thread must not outlive the model
-            weakref.finalize(self, self.transport.close, wait=False)
         self._attach_reducer(named, flight=flight, modules=walk.modules)
         if self._use_python_reducer:  # our reducer's hooks go: torch's C++ ones do nothing
             self.reducer.remove_autograd_hooks()

@@ -415,10 +415,11 @@ class PeerSync:
                                  views if len(set(views.values())) > 1 else None)
         return {peer: row[5:] for peer, row in theirs.items()}
 
-    def allocate(self, token: str, view: int, slot: int, numel: int, dtype: torch.dtype
-                 ) -> Segment | None:
+    def allocate(self, token: str, view: int, slot: int, numel: int, dtype: torch.dtype,
+                 made: Segment | OSError | None = None) -> Segment | None:
         """This rank's new segment for ``slot`` of the transport ``token`` (``view``: its
-        number), or None for ``numel`` 0; one exchange with every peer.
+        number), or None for ``numel`` 0; one exchange with every peer. ``made``: the segment
+        already made for it (or the error that stopped it); None makes one here.
 
         The exchange is the ready check and carries whether each rank created its segment:
         a failure on any raises :class:`ShmAllocationError` on all. Nothing of a peer is
@@ -429,7 +430,9 @@ class PeerSync:
         segment, problem = None, ""
         if numel:
             try:
-                segment = create_segment(name, numel, dtype)
+                if isinstance(made, OSError):
+                    raise made
+                segment = made if made is not None else create_segment(name, numel, dtype)
             except OSError as err:
                 problem = f"rank {self.rank} could not create {name}: {err}"
         try:
