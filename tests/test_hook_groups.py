@@ -240,6 +240,9 @@ def test_user_hooks_are_found_in_torchs_hook_dictionaries():
     theirs = params[1].register_post_accumulate_grad_hook(lambda p: None)
     assert "post-accumulate-grad hook on parameter '0.bias'" in user_grad_hook(
         params, names, modules)
+    theirs.remove()
+    theirs = params[3].register_hook(lambda g: g * 2)  # a later parameter, beside ours
+    assert "a tensor hook on parameter '1.bias'" in user_grad_hook(params, names, modules)
     ours.remove(), theirs.remove()
     handle = model[1].register_full_backward_hook(lambda m, gi, go: None)
     assert "backward hook on module '1'" in user_grad_hook(params, names, modules)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any, TypeVar
 
 import torch
@@ -103,7 +103,12 @@ def user_grad_hook(params: Sequence[torch.Tensor], names: Sequence[str],
     a module or on every module. Read from torch's hook dictionaries (C-speed ``map`` over
     them; the slow look only once one is non-empty)."""
     if any(map(_TENSOR_HOOKS, params)) or any(map(_POST_ACCUMULATE_HOOKS, params)):
-        for param, name in zip(params, names, strict=True):
+        # Only the parameters that hold a hook. One always does (the non-finite sentinel's
+        # passive hook, mini_ddp.checks.grad_watch), and a Python call for every parameter
+        # doubled this function's time (linear100's 200: 188 -> 94 us, timeit).
+        hooked = map(operator.or_, map(bool, map(_TENSOR_HOOKS, params)),
+                     map(bool, map(_POST_ACCUMULATE_HOOKS, params)))
+        for param, name in compress(zip(params, names, strict=True), hooked):
             if _foreign(param._backward_hooks):
                 return f"a tensor hook on parameter '{name}'"
             if _foreign(param._post_accumulate_grad_hooks):
