@@ -349,9 +349,9 @@ class SharedMemoryAllreduce:
         (``(numel, dtype)`` each, in call order) on the channel's worker thread, and return.
 
         Local, no communication. Reserving a segment's memory zero-fills every page of it
-        (``posix_fallocate``: 15-20 ms for resnet18's 45 MB bucket), and the worker does it
-        while the caller goes on — a model's constructor runs its start-up broadcast
-        meanwhile. :meth:`allocate` takes the segment reserved for its slot when the size and
+        (``posix_fallocate``: 15-22 ms for resnet18's 45 MB bucket on 2 cores), and the
+        worker does it while the caller goes on — a model's constructor runs its start-up
+        broadcast meanwhile. :meth:`allocate` takes the segment reserved for its slot when the size and
         dtype are those reserved, and makes one otherwise; a reservation that failed is
         :meth:`allocate`'s :class:`ShmAllocationError`, on every rank.
         """
