@@ -384,7 +384,8 @@ class BucketLayout:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  config: DataParallelConfig, group: dist.ProcessGroup | None, rank: int,
-                 transport: SharedMemoryAllreduce | None):
+                 transport: SharedMemoryAllreduce | None,
+                 layout: list[list[int]] | None = None):
         self.params, self.names, self.config = params, names, config
         self.group, self.rank, self.transport = group, rank, transport
         self.buckets: list[Bucket] = []
@@ -397,7 +398,8 @@ class BucketLayout:
         # Another live wrapper armed for some of these parameters since this one was built: both
         # reducers' hooks see their gradients (and both write them back). Set by the claims.
         self.shared_with_another = False
-        self.install(self.initial_layout(params, config))
+        # ``layout``: iteration 1's, when the caller has it (initial_layout; None: made here).
+        self.install(self.initial_layout(params, config) if layout is None else layout)
 
     @staticmethod
     def initial_layout(params: Sequence[torch.Tensor], config: DataParallelConfig
@@ -409,14 +411,14 @@ class BucketLayout:
         return list(reversed(assign_buckets(params, config.initial_size_limits(),
                                             expect_sparse=config.expect_sparse_gradients)))
 
-    @classmethod
-    def initial_shared_sizes(cls, params: Sequence[torch.Tensor], config: DataParallelConfig
-                             ) -> list[tuple[int, torch.dtype]]:
-        """``(numel, dtype)`` of each buffer that a new layout over ``params`` takes from the
-        transport, in the order it allocates them: what the model's constructor reserves
-        ahead (:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.reserve`)."""
+    @staticmethod
+    def shared_sizes(layout: list[list[int]], params: Sequence[torch.Tensor],
+                     config: DataParallelConfig) -> list[tuple[int, torch.dtype]]:
+        """``(numel, dtype)`` of each buffer that installing ``layout`` over ``params`` takes
+        from the transport, in the order it allocates them: what the model's constructor
+        reserves ahead (:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.reserve`)."""
         sizes = []
-        for indices in cls.initial_layout(params, config):
+        for indices in layout:
             if _sparse_bucket(indices, config.expect_sparse_gradients):
                 continue
             first = params[indices[0]]

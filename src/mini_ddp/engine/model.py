@@ -252,6 +252,7 @@ class DataParallelModel(DistributedDataParallel):
         offer = SharedMemoryAllreduce.offer(self.process_group) \
             if self.config.shared_memory_allreduce and self.device_type == "cpu" else None
         offers, self.transport = None, None
+        layout = BucketLayout.initial_layout([p for _, p in named], self.config)
         try:
             if init_sync:
                 offers = verify_params_across_ranks(
@@ -260,8 +261,8 @@ class DataParallelModel(DistributedDataParallel):
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)
                 if init_sync:  # the buckets' memory is reserved while the broadcast runs
-                    self.transport.reserve(BucketLayout.initial_shared_sizes(
-                        [p for _, p in named], self.config))
+                    self.transport.reserve(BucketLayout.shared_sizes(
+                        layout, [p for _, p in named], self.config))
             if init_sync:
                 self.broadcast_module_states(include_buffers=init_bufs, flight=flight,
                                              walk=walk)
@@ -271,7 +272,7 @@ class DataParallelModel(DistributedDataParallel):
             elif offer is not None:
                 offer.close()
             raise
-        self._attach_reducer(named, flight=flight, modules=walk.modules)
+        self._attach_reducer(named, flight=flight, modules=walk.modules, layout=layout)
         if self._use_python_reducer:  # our reducer's hooks go: torch's C++ ones do nothing
             self.reducer.remove_autograd_hooks()
             configure_inductor(self.config.bucket_bytes_cap)
@@ -293,7 +294,8 @@ class DataParallelModel(DistributedDataParallel):
     def _attach_reducer(self, named: list[tuple[str, nn.Parameter]],
                         comm_hook: tuple[CommHook, object] | None = None,
                         flight: Any = None,
-                        modules: list[tuple[str, nn.Module]] | None = None) -> None:
+                        modules: list[tuple[str, nn.Module]] | None = None,
+                        layout: list[list[int]] | None = None) -> None:
         """A fresh reducer (and what watches it) over ``named``: at construction, after
         unpickling, and when ``_set_static_graph`` changes how it must work.
 
@@ -302,11 +304,12 @@ class DataParallelModel(DistributedDataParallel):
         after construction and unpickling (torch DDP's copy drops its hook with the reducer).
         ``flight``: the flight recorder to keep (None: the stall monitor starts a fresh one).
         ``modules``: the module's ``named_modules()`` when the caller has them (None: read).
+        ``layout``: iteration 1's buckets when the caller made them (None: the reducer does).
         """
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named],
                                self.process_group, self.config, self.transport,
                                modules=list(self.module.named_modules()) if modules is None
-                               else modules)
+                               else modules, layout=layout)
         self.reducer.runtime_log = self._runtime_log
         self._runtime_log.use_device([p.device for _, p in named])
         self.reducer.observers.add(self._runtime_log)

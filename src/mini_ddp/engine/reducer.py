@@ -243,14 +243,16 @@ class Reducer(TorchReducerAPI):
 
     Answers torch's reducer methods by name too (:mod:`mini_ddp.engine.torch_api`).
     Observers read its state where it lives: ``layout`` (buckets, locator, rebuild history),
-    ``step`` (:class:`StepState`) and ``unused_search``.
+    ``step`` (:class:`StepState`) and ``unused_search``. ``layout`` as an argument: iteration
+    1's buckets when the caller made them already (:meth:`BucketLayout.initial_layout`).
     """
 
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  group: dist.ProcessGroup | None, config: DataParallelConfig,
                  transport: SharedMemoryAllreduce | None = None,
-                 modules: Sequence[tuple[str, torch.nn.Module]] = ()):
+                 modules: Sequence[tuple[str, torch.nn.Module]] = (),
+                 layout: list[list[int]] | None = None):
         self.params = list(params)
         self.names = list(names)
         self.modules = list(modules)  # (name, module): where user backward hooks are looked for
@@ -288,7 +290,8 @@ class Reducer(TorchReducerAPI):
         # and gradient_as_bucket_view keep their own rules, which are DDP's.
         self.zero_copy = (config.zero_copy_write_back and not config.gradient_as_bucket_view
                           and not config.find_unused_parameters and not config.static_graph)
-        self.layout = BucketLayout(self.params, self.names, config, group, self.rank, transport)
+        self.layout = BucketLayout(self.params, self.names, config, group, self.rank, transport,
+                                   layout)
         self.step = StepState(len(self.params))
         self.unused_search = UnusedSearch(len(self.params), self.params[0].device, config,
                                           group, self.rank)
