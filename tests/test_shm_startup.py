@@ -6,8 +6,8 @@ none), the shared-memory transport's socket exchanges (one per bucket allocated)
 made while allocating (none: they are reserved on the transport's worker during the start-up
 broadcast), threads the constructor itself starts (none, after the process's first model),
 walks over the module's tree (one), and memory made resident in shared memory (none: pages
-are mapped at their first touch). The
-gradients still equal torch DDP's, bit for bit, after a re-wrap.
+are mapped at their first touch). The gradients still equal torch DDP's, bit for bit, after a
+re-wrap.
 """
 
 from __future__ import annotations
