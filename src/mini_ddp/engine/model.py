@@ -252,7 +252,8 @@ class DataParallelModel(DistributedDataParallel):
         offer = SharedMemoryAllreduce.offer(self.process_group) \
             if self.config.shared_memory_allreduce and self.device_type == "cpu" else None
         offers, self.transport = None, None
-        layout = BucketLayout.initial_layout([p for _, p in named], self.config)
+        managed = [p for _, p in named]
+        layout = BucketLayout.initial_layout(managed, self.config)
         try:
             if init_sync:
                 offers = verify_params_across_ranks(
@@ -261,8 +262,8 @@ class DataParallelModel(DistributedDataParallel):
             if self.transport is not None:  # its worker thread must not outlive the model
                 weakref.finalize(self, self.transport.close, wait=False)
                 if init_sync:  # the buckets' memory is reserved while the broadcast runs
-                    self.transport.reserve(BucketLayout.shared_sizes(
-                        layout, [p for _, p in named], self.config))
+                    self.transport.reserve(BucketLayout.shared_sizes(layout, managed,
+                                                                     self.config))
             if init_sync:
                 self.broadcast_module_states(include_buffers=init_bufs, flight=flight,
                                              walk=walk)
