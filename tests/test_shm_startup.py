@@ -2,12 +2,14 @@
 
 Per ``DataParallelModel(...)`` on two and three CPU ranks: the Gloo collectives (the first
 model on a group opens its shared-memory channel with two votes; later ones reuse it with
-none), the shared-memory transport's socket exchanges (one per bucket allocated), segments
-made while allocating (none: they are reserved on the transport's worker during the start-up
-broadcast), threads the constructor itself starts (none, after the process's first model),
-walks over the module's tree (one), and memory made resident in shared memory (none: pages
-are mapped at their first touch). The gradients still equal torch DDP's, bit for bit, after a
-re-wrap.
+none), the shared-memory transport's socket exchanges (one per bucket allocated: none by
+default, where iteration 1's layout is rebuilt at the second forward and Gloo sums it),
+segments made while allocating (none where iteration 1's layout lasts: they are reserved on
+the transport's worker during the start-up broadcast), threads the constructor itself starts
+(none, after the process's first model), walks over the module's tree (one), and memory made
+resident in shared memory (none: pages are mapped at their first touch). The gradients still
+equal torch DDP's, bit for bit, after a re-wrap, and the rebuilt layout is summed in shared
+memory.
 """
 
 from __future__ import annotations
@@ -88,12 +90,14 @@ def _counted_wraps(ctx) -> dict:
     shm_sync.PeerSync.exchange, threading.Thread.start = exchange, start
     nn.Module.named_modules, shm_sync.create_segment = walk, made_while_allocating
     try:
-        for label in ("first", "second", "after a drop"):
+        for label in ("first", "second", "after a drop", "lasting layout"):
             module = copy.deepcopy(base)
             root[:] = [module]
             gc.collect()
             counts.clear()
-            model = DataParallelModel(module)
+            # Searching for unused parameters, DDP keeps iteration 1's layout: shared memory.
+            model = DataParallelModel(module,
+                                      find_unused_parameters=label == "lasting layout")
             out[label] = {**counts, "resident KiB": _resident_kib()}
             root.clear()
             if label == "second":
@@ -101,17 +105,24 @@ def _counted_wraps(ctx) -> dict:
                 gc.collect()
             elif label == "first":
                 kept = model  # alive while the second is built
+            elif label == "after a drop":
+                rewrapped = model
     finally:
         for name, real in patches.items():
             setattr(dist, name, real)
         shm_sync.PeerSync.exchange, threading.Thread.start = real_exchange, real_start
         nn.Module.named_modules, shm_sync.create_segment = real_walk, real_create
-    # The re-wrapped model still trains as torch DDP does.
-    ref = DDP(copy.deepcopy(base))
-    for m in (model, ref):
-        m(x).square().sum().backward()
-    out["equal"] = all(torch.equal(a.grad, b.grad) for a, b in
-                       zip(model.parameters(), ref.parameters(), strict=True))
+    # The re-wrapped model still trains as torch DDP does; its rebuilt layout is summed in
+    # shared memory.
+    model, ref = rewrapped, DDP(copy.deepcopy(base))
+    out["equal"], out["buckets in shared memory"] = [], []
+    for _ in range(3):
+        for m in (model, ref):
+            m(x).square().sum().backward()
+        out["buckets in shared memory"].append(
+            [model.transport.owns(b.buffer) for b in model.reducer.layout.buckets])
+        out["equal"].append(all(torch.equal(a.grad, b.grad) for a, b in
+                                zip(model.parameters(), ref.parameters(), strict=True)))
     del kept
     return out
 
@@ -121,13 +132,20 @@ def test_wrapping_counts(world_size: int) -> None:
     for rank, out in enumerate(run_ranks(_counted_wraps, world_size, timeout_s=120)):
         # The parameter check's all-gather (carrying the offers), one broadcast of the state
         # (parameters and float buffers; the int64 batch counter is a second), the votes.
-        base = {"all_gather": 1, "broadcast": 2, "socket exchanges": 1, "module walks": 1,
-                "resident KiB": 0}
-        # The first model of the process also starts, once each, the thread that starts the
-        # stack responders (mini_ddp.watch.stacks) and the group's shared-memory worker, which
-        # reserves the buckets' memory while the broadcast runs (else the first sum starts it).
-        assert out["first"] == {**base, "all_reduce": 2, "threads started and waited for": 2}, \
+        base = {"all_gather": 1, "broadcast": 2, "module walks": 1, "resident KiB": 0}
+        # The first model of the process also starts, once, the thread that starts the stack
+        # responders (mini_ddp.watch.stacks); the group's shared-memory worker starts at the
+        # first sum there.
+        assert out["first"] == {**base, "all_reduce": 2, "threads started and waited for": 1}, \
             (rank, out["first"])
         assert out["second"] == base, (rank, out["second"])
         assert out["after a drop"] == base, (rank, out["after a drop"])
-        assert out["equal"], rank
+        # Where iteration 1's layout lasts, its bucket is allocated (one exchange) from a
+        # segment the worker reserved during the broadcast (the worker starts then).
+        assert out["lasting layout"] == {**base, "socket exchanges": 1,
+                                         "threads started and waited for": 1}, \
+            (rank, out["lasting layout"])
+        assert out["equal"] == [True] * 3, (rank, out["equal"])
+        # Gloo sums iteration 1's single bucket; the second forward rebuilds it in shared memory.
+        shared = out["buckets in shared memory"]
+        assert shared[0] == [False] and shared[1] == shared[2] and all(shared[1]), (rank, shared)

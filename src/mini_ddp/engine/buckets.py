@@ -373,10 +373,15 @@ _ARMED_BY = _ArmedBy()
 
 
 def _in_shared_memory(numel: int, dtype: torch.dtype, device: torch.device,
-                      config: DataParallelConfig) -> bool:
-    # Where the transport sums a bucket: CPU floats of at least shared_memory_min_bytes.
+                      config: DataParallelConfig, first_layout: bool) -> bool:
+    # Where the transport sums a bucket: CPU floats of at least shared_memory_min_bytes, in a
+    # layout that lasts. Iteration 1's lasts one step when DDP rebuilds it (by default it is
+    # one bucket for everything): a fresh segment for it would be zero-filled and would fault
+    # in every page on every rank at its first touch, about what Gloo's sum of it costs, and
+    # making it would compete with the start-up broadcast. Gloo sums it, as torch DDP's.
     return device.type == "cpu" and shm_supported(dtype) \
-        and numel * dtype.itemsize >= config.shared_memory_min_bytes
+        and numel * dtype.itemsize >= config.shared_memory_min_bytes \
+        and not (first_layout and config.rebuilds_layout)
 
 
 class BucketLayout:
@@ -414,23 +419,25 @@ class BucketLayout:
     @staticmethod
     def shared_sizes(layout: list[list[int]], params: Sequence[torch.Tensor],
                      config: DataParallelConfig) -> list[tuple[int, torch.dtype]]:
-        """``(numel, dtype)`` of each buffer that installing ``layout`` over ``params`` takes
-        from the transport, in the order it allocates them: what the model's constructor
-        reserves ahead (:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.reserve`)."""
+        """``(numel, dtype)`` of each buffer that installing iteration 1's ``layout`` over
+        ``params`` takes from the transport, in the order it allocates them: what the model's
+        constructor reserves ahead (:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.reserve`).
+        None when that layout is rebuilt (Gloo sums it: :func:`_in_shared_memory`)."""
         sizes = []
         for indices in layout:
             if _sparse_bucket(indices, config.expect_sparse_gradients):
                 continue
             first = params[indices[0]]
             numel = sum(params[i].numel() for i in indices)
-            if _in_shared_memory(numel, first.dtype, first.device, config):
+            if _in_shared_memory(numel, first.dtype, first.device, config, first_layout=True):
                 sizes.append((numel, first.dtype))
         return sizes
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A bucket's zero-filled buffer: shared memory when the transport will sum it."""
         dtype = self.grad_dtype or dtype
-        if self.transport is not None and _in_shared_memory(numel, dtype, device, self.config):
+        if self.transport is not None and _in_shared_memory(numel, dtype, device, self.config,
+                                                            first_layout=not self.has_rebuilt):
             try:
                 return self.transport.allocate(numel, dtype)  # collective: same on all ranks
             except ShmAllocationError as err:  # raised on all ranks: all fall back
@@ -491,8 +498,7 @@ class BucketLayout:
 
     def should_rebuild(self) -> bool:
         """DDP rebuilds once, in gradient-ready order, unless it searches for unused params."""
-        return ((self.config.static_graph or not self.config.find_unused_parameters)
-                and not self.has_rebuilt)
+        return self.config.rebuilds_layout and not self.has_rebuilt
 
     def reset_bucket_counting(self) -> None:
         """Before a synced backward: every bucket waits for all its gradients again."""

@@ -104,6 +104,8 @@ class DataParallelConfig:
     float32/float64 through shared memory (:mod:`mini_ddp.transport.shm`) instead of Gloo's
     loopback TCP: a quarter of the CPU time for large buckets. Bitwise the same: each rank adds
     the chunk Gloo's ring would finish on it, in the ring's order (:mod:`mini_ddp.transport.shm_sum`).
+    Iteration 1's layout, when DDP rebuilds it at the second forward (:attr:`rebuilds_layout`),
+    stays on Gloo: fresh shared memory would cost about what Gloo's sum does, for one step.
     Off, or any other job: Gloo."""
 
     shared_memory_min_bytes: int = 0
@@ -176,6 +178,13 @@ class DataParallelConfig:
         cap = DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb
         return int(cap * MIB)
 
+    @property
+    def rebuilds_layout(self) -> bool:
+        """Whether iteration 1's bucket layout is replaced once, by one in gradient-ready order
+        (at the second forward): DDP rebuilds unless it searches for unused parameters without
+        a static graph."""
+        return self.static_graph or not self.find_unused_parameters
+
     def initial_size_limits(self) -> list[int]:
         """Caps for iteration 1's layout, over the parameters' definition order.
 
@@ -185,7 +194,7 @@ class DataParallelConfig:
         """
         if self.bucket_cap_mb_list:
             return self.per_bucket_caps()
-        if self.static_graph or not self.find_unused_parameters:
+        if self.rebuilds_layout:
             return [sys.maxsize]
         if self.first_bucket_bytes < self.bucket_bytes_cap:
             return [self.first_bucket_bytes, self.bucket_bytes_cap]

@@ -248,7 +248,8 @@ class DataParallelModel(DistributedDataParallel):
         # The shared-memory transport's start-up offers ride on the parameter check's
         # all-gather; then its two votes run on the model's group (None unless Gloo ranks
         # sharing a host, and every rank asked for it), before the start-up broadcast, so that
-        # its worker reserves the buckets' memory while the broadcast runs.
+        # its worker reserves the buckets' memory while the broadcast runs (when iteration 1's
+        # layout is summed there: not when DDP rebuilds it, BucketLayout.shared_sizes).
         offer = SharedMemoryAllreduce.offer(self.process_group) \
             if self.config.shared_memory_allreduce and self.device_type == "cpu" else None
         offers, self.transport = None, None
