@@ -422,7 +422,7 @@ class BucketLayout:
         """``(numel, dtype)`` of each buffer that installing iteration 1's ``layout`` over
         ``params`` takes from the transport, in the order it allocates them: what the model's
         constructor reserves ahead (:meth:`~mini_ddp.transport.shm.SharedMemoryAllreduce.reserve`).
-        None when that layout is rebuilt (Gloo sums it: :func:`_in_shared_memory`)."""
+        Empty when that layout is rebuilt (Gloo sums it: :func:`_in_shared_memory`)."""
         sizes = []
         for indices in layout:
             if _sparse_bucket(indices, config.expect_sparse_gradients):

@@ -104,8 +104,9 @@ class DataParallelConfig:
     float32/float64 through shared memory (:mod:`mini_ddp.transport.shm`) instead of Gloo's
     loopback TCP: a quarter of the CPU time for large buckets. Bitwise the same: each rank adds
     the chunk Gloo's ring would finish on it, in the ring's order (:mod:`mini_ddp.transport.shm_sum`).
-    Iteration 1's layout, when DDP rebuilds it at the second forward (:attr:`rebuilds_layout`),
-    stays on Gloo: fresh shared memory would cost about what Gloo's sum does, for one step.
+    Iteration 1's layout, when DDP rebuilds it (:attr:`rebuilds_layout`), stays on Gloo: fresh
+    shared memory would cost about what Gloo's sum does, for a layout that lasts one step (two
+    with a static graph).
     Off, or any other job: Gloo."""
 
     shared_memory_min_bytes: int = 0
@@ -181,8 +182,8 @@ class DataParallelConfig:
     @property
     def rebuilds_layout(self) -> bool:
         """Whether iteration 1's bucket layout is replaced once, by one in gradient-ready order
-        (at the second forward): DDP rebuilds unless it searches for unused parameters without
-        a static graph."""
+        (before the second forward; the third with a static graph): DDP rebuilds unless it
+        searches for unused parameters without a static graph."""
         return self.static_graph or not self.find_unused_parameters
 
     def initial_size_limits(self) -> list[int]:
@@ -219,7 +220,7 @@ class DataParallelConfig:
             when = "iteration 2" if self.static_graph else "iteration 1"
             return (f"rebuilt once, in the order gradients became ready in {when}'s backward "
                     f"(rank 0's order, broadcast to all ranks), {caps}")
-        if self.static_graph or not self.find_unused_parameters:
+        if self.rebuilds_layout:
             flag = "static_graph=True" if self.static_graph else "find_unused_parameters=False"
             return (f"iteration 1: one bucket per dtype/device, no size cap ({flag}: DDP does "
                     f"not cut buckets before it has seen the gradient-ready order; rebuilt "
