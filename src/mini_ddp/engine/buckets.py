@@ -373,15 +373,16 @@ _ARMED_BY = _ArmedBy()
 
 
 def _in_shared_memory(numel: int, dtype: torch.dtype, device: torch.device,
-                      config: DataParallelConfig, first_layout: bool) -> bool:
+                      config: DataParallelConfig, rebuilt_later: bool) -> bool:
     # Where the transport sums a bucket: CPU floats of at least shared_memory_min_bytes, in a
-    # layout that lasts. Iteration 1's lasts one step when DDP rebuilds it (by default it is
-    # one bucket for everything): a fresh segment for it would be zero-filled and would fault
-    # in every page on every rank at its first touch, about what Gloo's sum of it costs, and
-    # making it would compete with the start-up broadcast. Gloo sums it, as torch DDP's.
+    # layout that lasts — not ``rebuilt_later``, iteration 1's when DDP replaces it once
+    # (BucketLayout.should_rebuild). That one lasts one step (by default it is one bucket for
+    # everything): a fresh segment for it would be zero-filled and would fault in every page
+    # on every rank at its first touch, about what Gloo's sum of it costs, and making it would
+    # compete with the start-up broadcast. Gloo sums it, as torch DDP's.
     return device.type == "cpu" and shm_supported(dtype) \
         and numel * dtype.itemsize >= config.shared_memory_min_bytes \
-        and not (first_layout and config.rebuilds_layout)
+        and not rebuilt_later
 
 
 class BucketLayout:
@@ -429,7 +430,8 @@ class BucketLayout:
                 continue
             first = params[indices[0]]
             numel = sum(params[i].numel() for i in indices)
-            if _in_shared_memory(numel, first.dtype, first.device, config, first_layout=True):
+            if _in_shared_memory(numel, first.dtype, first.device, config,
+                                 rebuilt_later=config.rebuilds_layout):
                 sizes.append((numel, first.dtype))
         return sizes
 
@@ -437,7 +439,7 @@ class BucketLayout:
         """A bucket's zero-filled buffer: shared memory when the transport will sum it."""
         dtype = self.grad_dtype or dtype
         if self.transport is not None and _in_shared_memory(numel, dtype, device, self.config,
-                                                            first_layout=not self.has_rebuilt):
+                                                            self.should_rebuild()):
             try:
                 return self.transport.allocate(numel, dtype)  # collective: same on all ranks
             except ShmAllocationError as err:  # raised on all ranks: all fall back
