@@ -99,3 +99,38 @@ def test_views_alias_the_flat_buffer_with_the_parameters_strides():
         assert view.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
         view.fill_(1.0)
     assert bool((bucket.buffer == 1).all())
+
+
+class _Layout:
+    """A stand-in for a BucketLayout: what the armed-by registry sees of one."""
+
+    def __init__(self, registry, params):
+        self.params = params
+        self.ref = registry.register(self)
+        self.cycle = self  # dies only in a garbage collection, as a model in a cycle may
+
+
+def test_armed_by_tells_shared_wrappers_apart_and_forgets_dead_ones():
+    import gc
+
+    from mini_ddp.engine.buckets import _ArmedBy
+
+    registry = _ArmedBy()
+    shared, own = torch.zeros(2), torch.zeros(3)
+    first, second = _Layout(registry, [shared, own]), _Layout(registry, [shared])
+    assert registry.claim(first.params, first.ref) is False  # nobody armed before
+    assert registry.claim(first.params, first.ref) is False  # the same layout again
+    assert registry.claim(second.params, second.ref) is True  # `shared` was first's
+    assert registry.holder(shared) is second and registry.holder(own) is first
+    assert registry.claim(first.params, first.ref) is True  # and now second's
+    del second
+    gc.collect()
+    assert registry.holder(shared) is first  # second's entries went with it
+    first_ref = first.ref
+    del first
+    gc.collect()
+    assert first_ref() is None and registry.holder(shared) is None
+    assert registry.holder(own) is None
+    assert not registry._entries  # nothing left of dead layouts, cycles included
+    third = _Layout(registry, [shared, own])
+    assert registry.claim(third.params, third.ref) is False  # dead holders do not count
