@@ -332,8 +332,8 @@ class _ArmedBy:
     Held as ``id(param) -> weak reference to the layout``. An entry is its parameter's for as
     long as the layout lives: a live layout keeps its parameters alive, so no other live tensor
     can have one of their ids. So nothing is watched per parameter (a weak reference with a
-    callback for each of a model's 200 small parameters cost its first forward ~0.3 ms); a
-    layout's entries go when it does (the callback of the reference :meth:`register` hands
+    callback per parameter would cost a model of 200 small ones ~0.3 ms at its first forward);
+    a layout's entries go when it does (the callback of the reference :meth:`register` hands
     out, which this registry holds, so that it runs even when the layout dies in a cycle).
     """
 
