@@ -96,18 +96,29 @@ def _marked_twice():
 
 
 def _grad_changed_late():
-    # A hook on an AccumulateGrad node, registered after the two backwards read at the hooks
-    # (the third reads late, one hook per gradient), that changes a gradient its bucket has
-    # not read yet.
-    model = DataParallelModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    # A hook on an activation, set after the two backwards read at the hooks (the third reads
+    # late, one hook per gradient), that changes a gradient its bucket has not read yet: no
+    # hook table lists it.
+    class Meddling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(2, 2), nn.Linear(2, 2)
+            self.meddle = False
+
+        def forward(self, x):
+            hidden = self.first(x)
+            if self.meddle:  # its gradient comes after second's, before first's
+                hidden.register_hook(self.halve_second)
+            return self.second(hidden)
+
+        def halve_second(self, _grad):
+            self.second.weight.grad.mul_(0.5)
+
+    model = DataParallelModel(Meddling())
     x = torch.randn(3, 2)
     for _ in range(2):
         model(x).sum().backward()
-    early = model.module[1].weight  # its gradient arrives first: the bucket is not full yet
-
-    def halve(*_grads):
-        early.grad.mul_(0.5)
-    early.view_as(early).grad_fn.next_functions[0][0].register_hook(halve)
+    model.module.meddle = True
     model(x).sum().backward()
 
 

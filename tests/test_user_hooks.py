@@ -127,8 +127,9 @@ FUSED = {"fused": {}, "fused_view": {"gradient_as_bucket_view": True},
          "fused_static": {"static_graph": True}, "fused_comm_hook": {}}
 ZERO_AFTER_FORWARD = ("zero_between", "zero_unused")
 BEFORE_WRAPPING = {"node_post_before": _halve_on_node, "module_bwd_before": _halve_in_module_hook}
-SCENARIOS = ("clip", *FUSED, "node_post_after", "node_pre", "module_bwd", "tensor_hook",
-             *BEFORE_WRAPPING, "zero_between", "metric_fwd", "zero_unused", "twice")
+SCENARIOS = ("clip", *FUSED, "node_post_after", "node_post_late", "node_pre", "module_bwd",
+             "tensor_hook", *BEFORE_WRAPPING, "zero_between", "metric_fwd", "zero_unused",
+             "twice")
 
 
 def _first_sentence(text: str) -> str:
@@ -167,6 +168,8 @@ def _scenario(name: str, rank: int, grouped: bool) -> dict:
     for step in range(STEPS):
         x, y = torch.randn(6, WIDTH, generator=gen), torch.randint(0, 3, (6,), generator=gen)
         for model, opt in engines:
+            if name == "node_post_late" and step == CHANGE:  # once the hooks are grouped
+                _halve_on_node(model.module)
             model.module.flip = name == "zero_between" and step >= CHANGE
             model.module.skip_b = name == "zero_unused" and step >= CHANGE
             model.module.twice = name == "twice" and step >= CHANGE
@@ -198,6 +201,7 @@ def _scenario(name: str, rank: int, grouped: bool) -> dict:
         groups = mini.reducer.hook_groups
         if out["grouped_at"] is None and groups is not None and groups.groups is not None:
             out["grouped_at"] = step
+        out["grouped_last"] = groups is not None and groups.groups is not None
     return out
 
 
@@ -240,9 +244,10 @@ def test_the_scenarios_that_must_fail_do(results):
 
 
 def test_the_quiet_scenarios_are_grouped_before_they_change(results):
-    # In-place zeroing and forwards without a backward do not keep the hooks from grouping:
-    # the checks above run on the grouped path.
-    for name in ("zero_between", "metric_fwd", "zero_unused", "twice"):
+    # In-place zeroing and forwards without a backward do not keep the hooks from grouping,
+    # nor does a node hook that comes later (then found in the node's hook table: back to one
+    # hook per gradient, same bits): the checks above run on the grouped path.
+    for name in ("zero_between", "metric_fwd", "zero_unused", "twice", "node_post_late"):
         grouped_at = results[(name, True)]["grouped_at"]
         assert grouped_at is not None and grouped_at < CHANGE, (name, grouped_at)
 
@@ -251,3 +256,13 @@ def test_hooks_that_write_gradients_keep_the_hooks_per_gradient(results):
     # Gradients are read inside their hooks, as torch's reducer does: never grouped.
     for name in ("clip", "fused", "node_post_after", "module_bwd", "tensor_hook"):
         assert results[(name, True)]["grouped_at"] is None, name
+
+
+def test_a_node_hook_registered_later_sends_the_hooks_back_per_gradient(results):
+    # Registered on every AccumulateGrad node at step CHANGE, after the probe backwards: it
+    # runs after the reducer's hooks and halves gradients torch DDP has read already. Its
+    # node's hook table shows it before the next backward, which reads at the hooks again —
+    # torch DDP's bits (test above), no GradChangedLateError.
+    r = results[("node_post_late", True)]
+    assert r["errors"] == [] and r["differs"] is None, r
+    assert r["grouped_at"] < CHANGE and not r["grouped_last"], r

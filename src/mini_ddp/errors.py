@@ -121,11 +121,11 @@ class GradChangedLateError(MiniDDPError):
             "gradient inside its hook, so it all-reduces the value from before that change; "
             "mini_ddp reads a bucket's gradients together once the bucket is full, and has "
             "only the changed value. What changed it runs inside backward where no hook "
-            "dictionary shows it: a hook on an AccumulateGrad node registered after the first "
-            "synchronised backwards, a custom autograd.Function, or a hook on an activation. "
+            "table shows it: a hook on an activation or a custom autograd.Function that "
+            "writes into a parameter's .grad, from a later backward on than the first ones. "
             "Pass grouped_hooks=False to read every gradient in its own hook, as torch DDP "
-            "does, or register such hooks before the first backward (mini_ddp then reads at "
-            "the hooks on its own).")
+            "does, or let it act from the first backward on (mini_ddp then sees the change "
+            "and reads at the hooks on its own).")
 
 
 class GradSyncTimeout(MiniDDPError):

@@ -56,7 +56,15 @@ from mini_ddp.engine import buckets as bucketing
 from mini_ddp.engine import writeback
 from mini_ddp.engine.buckets import BucketLayout, assign_grad, check_sparse_grad, shares_storage
 from mini_ddp.engine.config import DataParallelConfig
-from mini_ddp.engine.hook_groups import AGAIN, ONCE, Group, HookGroups, passive_hook, user_grad_hook
+from mini_ddp.engine.hook_groups import (
+    AGAIN,
+    ONCE,
+    Group,
+    HookGroups,
+    node_hook_after,
+    passive_hook,
+    user_grad_hook,
+)
 from mini_ddp.engine.hooks import CommHook, GradBucket, launch_hook, result_tensor
 from mini_ddp.engine.observer import Observers
 from mini_ddp.engine.torch_api import (
@@ -312,7 +320,15 @@ class Reducer(TorchReducerAPI):
         self.reads_late = False
         self._hooks_removed = False
         self._hook_handles: list[Any] = []
+        self._node_tables: list[tuple[dict[int, Any], int]] = []  # filled just below
         self._register_param_hooks()
+        # Each node's table of Python post-hooks (torch keeps one per node; our handle points
+        # at it) and our first hook's id there: a user hook registered on a node after
+        # wrapping runs after ours, and is found there (hook_groups.node_hook_after).
+        self._node_tables = [(handle.hooks_dict_ref(), handle.id)
+                             for handle in self._hook_handles]
+        self._hooks_before_wrap = sum(len(table) for table, _ in self._node_tables) \
+            - len(self._hook_handles)
 
     def _register_param_hooks(self) -> None:
         """One hook per parameter's ``AccumulateGrad`` node."""
@@ -332,6 +348,16 @@ class Reducer(TorchReducerAPI):
         self._hook_handles = [
             self._accumulators[index].register_hook(functools.partial(trampoline, me, argument))
             for index, argument in targets]
+        if not self._node_tables:
+            return  # the constructor's hooks: nobody else's can come after them yet
+        # A hook the user put on a node after wrapping runs after torch DDP's, registered at
+        # wrapping: it must run after ours too, so it is re-added behind the one just made
+        # (autograd calls a node's post-hooks in its table's insertion order).
+        mine = {handle.id for handle in self._hook_handles}
+        for index, _ in targets:
+            table, first = self._node_tables[index]
+            for key in [key for key in table if key > first and key not in mine]:
+                table[key] = table.pop(key)
 
     @property
     def div_factor(self) -> int:
@@ -451,7 +477,9 @@ class Reducer(TorchReducerAPI):
         if groups is not None and not self._hooks_removed:
             if self.scales_whole_buckets:  # the default path: the only one that reads late
                 self.reads_late = groups.reads_late(
-                    user_grad_hook(self.params, self.names, self.modules))
+                    user_grad_hook(self.params, self.names, self.modules)
+                    or node_hook_after(self._node_tables, self.names, self._hook_handles,
+                                       self._hooks_before_wrap + len(self._hook_handles)))
             self._choose_hooks(outputs)
 
     def remove_autograd_hooks(self) -> None:
