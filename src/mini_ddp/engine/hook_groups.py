@@ -146,9 +146,15 @@ def node_hook_after(tables: Sequence[tuple[dict[int, Any], int]], names: Sequenc
         return None
     mine = {handle.id for handle in ours}
     for (table, first), name in zip(tables, names, strict=True):
-        if any(key > first and key not in mine for key in table):
+        if hooks_after(table, first, mine):
             return f"a hook registered after wrapping on parameter '{name}'s AccumulateGrad node"
     return None  # fewer entries than expected: a hook registered before wrapping was removed
+
+
+def hooks_after(table: dict[int, Any], first: int, mine: set[int]) -> list[int]:
+    """The keys of a node's post-hook ``table`` registered after ``first`` (the reducer's
+    first hook there) that are not the reducer's (``mine``): the user's, from after wrapping."""
+    return [key for key in table if key > first and key not in mine]
 
 
 @dataclass

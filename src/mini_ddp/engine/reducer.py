@@ -61,6 +61,7 @@ from mini_ddp.engine.hook_groups import (
     ONCE,
     Group,
     HookGroups,
+    hooks_after,
     node_hook_after,
     passive_hook,
     user_grad_hook,
@@ -356,7 +357,7 @@ class Reducer(TorchReducerAPI):
         mine = {handle.id for handle in self._hook_handles}
         for index, _ in targets:
             table, first = self._node_tables[index]
-            for key in [key for key in table if key > first and key not in mine]:
+            for key in hooks_after(table, first, mine):
                 table[key] = table.pop(key)
 
     @property
