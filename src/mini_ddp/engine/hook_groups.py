@@ -130,7 +130,7 @@ def user_grad_hook(params: Sequence[torch.Tensor], names: Sequence[str],
 
 
 def node_hook_after(tables: Sequence[tuple[dict[int, Any], int]], names: Sequence[str],
-                    ours: Sequence[Any], expected: int) -> str | None:
+                    ours: Sequence[Any], before_wrap: int) -> str | None:
     """A post-hook registered on a parameter's ``AccumulateGrad`` node after the reducer's
     first hook there, in words, or None. Such a hook runs after the reducer's (autograd runs a
     node's post-hooks in registration order), so it may change a ``.grad`` that torch's
@@ -139,10 +139,10 @@ def node_hook_after(tables: Sequence[tuple[dict[int, Any], int]], names: Sequenc
     torch keeps one dictionary of Python post-hooks per node (every one of them, keyed by its
     handle's id, in registration order); each handle holds it weakly (``hooks_dict_ref``).
     ``tables``: per parameter, that dictionary and the id of the reducer's first hook in it;
-    ``ours``: the reducer's live handles; ``expected``: how many entries all the dictionaries
-    hold with no hook registered after wrapping (hooks registered before it run before the
-    reducer's, as in torch DDP, and are counted in). One C-speed sum in the common case."""
-    if sum(map(len, map(operator.itemgetter(0), tables))) == expected:
+    ``ours``: the reducer's live handles; ``before_wrap``: how many hooks the dictionaries held
+    besides the reducer's at wrapping (they run before the reducer's, as in torch DDP). One
+    C-speed sum in the common case: the entries are those and ours."""
+    if sum(map(len, map(operator.itemgetter(0), tables))) == before_wrap + len(ours):
         return None
     mine = {handle.id for handle in ours}
     for (table, first), name in zip(tables, names, strict=True):

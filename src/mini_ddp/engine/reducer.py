@@ -480,7 +480,7 @@ class Reducer(TorchReducerAPI):
                 self.reads_late = groups.reads_late(
                     user_grad_hook(self.params, self.names, self.modules)
                     or node_hook_after(self._node_tables, self.names, self._hook_handles,
-                                       self._hooks_before_wrap + len(self._hook_handles)))
+                                       self._hooks_before_wrap))
             self._choose_hooks(outputs)
 
     def remove_autograd_hooks(self) -> None:
