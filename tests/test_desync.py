@@ -1,4 +1,5 @@
-"""The desync detector names the tensor and the rank that diverged."""
+"""The desync detector names the tensor and the rank that diverged; the replica check's first
+record reads the parameters the first step ran with."""
 
 import pytest
 import torch
@@ -155,3 +156,60 @@ def test_bits_hashes_name_each_single_tensor_that_differs():
     swapped = tensors[2].clone()
     swapped[[0, 1]] = swapped[[1, 0]]
     assert bits_hashes([swapped]) != bits_hashes([tensors[2]])
+
+
+# The replica check's first record (on by default): names, modes and buffers at the first
+# synchronised forward; the parameters' bits while that backward waits for its all-reduce, or
+# at its end, or at the next forward when no backward came — always before the optimizer step.
+def _first_record_cases(ctx):
+    import logging
+
+    told: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: told.append(record.getMessage())
+    logging.getLogger("mini_ddp").addHandler(handler)
+    x = torch.randn(4, 4) + ctx.rank
+    out = {}
+    try:
+        for case in ("rank_local_lr", "edit_after_forward", "no_backward_first"):
+            told.clear()
+            torch.manual_seed(0)
+            model = DataParallelModel(Net())
+            # A rank-local learning rate: the replicas part at the first step, not before it.
+            lr = 0.1 * (1 + ctx.rank) if case == "rank_local_lr" else 0.1
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            for step in (1, 2, 3):
+                output = model(x)
+                if case == "no_backward_first" and step == 1:
+                    if ctx.rank == 0:
+                        model.module.fc1.weight.data.add_(1.0)
+                    continue  # no backward: the record is read at the next forward
+                if case == "edit_after_forward" and step == 1 and ctx.rank == 0:
+                    model.module.fc1.weight.data.add_(1.0)  # after the forward, before backward
+                output.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            out[case] = list(told)
+    finally:
+        logging.getLogger("mini_ddp").removeHandler(handler)
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_records():
+    return run_ranks(_first_record_cases, 2, timeout_s=120)
+
+
+def test_the_first_record_reads_the_parameters_before_the_optimizer_step(first_records):
+    # Read after the step, rank 1's larger learning rate would show as a difference at step 1.
+    for rank in (0, 1):
+        assert first_records[rank]["rank_local_lr"] == [], first_records[rank]
+
+
+@pytest.mark.parametrize("case", ["edit_after_forward", "no_backward_first"])
+def test_the_first_record_sees_the_parameters_up_to_the_backward(first_records, case):
+    for rank in (0, 1):
+        warnings = first_records[rank][case]
+        assert len(warnings) == 1, warnings
+        assert "the replicas differ at step 1: in parameter fc1.weight, ranks [0] and ranks [1]" \
+            in warnings[0], warnings

@@ -39,7 +39,11 @@ job that is already out of step): the ranks post their hashes on a
 :class:`~mini_ddp.checks.rank_board.RankBoard` and read the others' at the next synchronised
 forward, by which time every peer has posted — its backward could not have finished without
 this rank's. The first check's record waits one forward, for the first backward's
-gradient hash, and both go up in one round trip. Cost: hashing the parameters once per
+gradient hash, and both go up in one round trip; meanwhile its parameters' bits are read
+while that backward waits for an all-reduce (``wait_begun``: time the rank would spend idle),
+else at its end, at the latest at the next forward — always before the optimizer step, so
+they are the bits the forward ran with (its names, modes and buffers are read at the
+forward). Cost: hashing the parameters once per
 check (:func:`bits_hashes`: one integer sum over a large tensor's bits, two for each small
 one, all the small ones together in a few kernels, one ``tolist``) and one store round trip
 at each forward that posts or reads (:meth:`~mini_ddp.checks.rank_board.RankBoard.exchange`);
@@ -209,13 +213,16 @@ class ReplicaCheck:
         self._first_step: int | None = None
         self._first_posted = False
         self._held: dict[str, Any] = {}  # the first check's record, posted with the hash
+        self._unhashed: list[torch.Tensor] | None = None  # its parameters, read while waiting
         self._pending: dict[str, int] = {}  # board key -> forwards waited for it
         self._told: set[str] = set()  # kinds of difference already warned about
         self._posted: list[str] = []  # this rank's records still up
         # Forwards outside a training step that broadcast the buffers (a collective): every
         # rank must run as many (see the module docstring).
         self.off_step_broadcasts = 0
-        model.reducer.observers.add(self)  # until the first bucket fills (bucket_ready)
+        # Until the first bucket fills (bucket_ready) and the first record's parameters
+        # are read (wait_begun, backward_finished).
+        model.reducer.observers.add(self)
 
     @property
     def model(self) -> Any:
@@ -224,20 +231,44 @@ class ReplicaCheck:
 
     def remove(self) -> None:
         """Stop checking."""
+        self._stop_listening()
+        self._unhashed = None
+        self.every = None
+
+    def _stop_listening(self) -> None:
         model = self.model
         if model is not None and model.reducer is not None:
             model.reducer.observers.remove(self)
-        self.every = None
 
     # ---- identical data: the first synchronised backward's local gradients -----------------
     def bucket_ready(self, reducer: Any, bucket: Any) -> None:
         """The engine's event: every gradient of ``bucket`` is in, its all-reduce not yet
         started. The first one of the first synchronised backward is hashed; the check stops
-        listening then."""
-        reducer.observers.remove(self)
+        listening then, unless the first record's parameters are still to be read."""
+        if self._unhashed is None:
+            reducer.observers.remove(self)
         self._first_step = reducer.step.num_iterations
         if not bucket.sparse:
             self._first = _word_sums(_int_view(bucket.buffer[:_DATA_ELEMENTS])[None])
+
+    def wait_begun(self, reducer: Any, bucket: Any) -> None:
+        """The engine's event: a wait must block. Read the first record's parameters now."""
+        self._hash_held_params()
+
+    def backward_finished(self, reducer: Any) -> None:
+        """The engine's event: the backward is over, the optimizer step not yet run."""
+        self._hash_held_params()
+
+    def _hash_held_params(self) -> None:
+        """Complete the held first record with its parameters' hashes (ahead of the buffers'
+        hashes taken at its forward, in the order of its names), and stop listening."""
+        if self._unhashed is None:
+            return
+        params, self._unhashed = self._unhashed, None
+        for record in self._held.values():
+            record["hashes"] = bits_hashes(params) + record["hashes"]
+        if self._first_step is not None:  # the first bucket's hash is taken too
+            self._stop_listening()
 
     def _first_grads_record(self) -> dict[str, Any]:
         """This rank's record of the first synchronised backward's local-gradient hash."""
@@ -272,17 +303,24 @@ class ReplicaCheck:
         them missing and cost a round trip for nothing."""
         post: dict[str, Any] = {}
         remove: list[str] = []
+        self._hash_held_params()  # no wait since its forward (e.g. no backward came)
         if self._first is not None and not self._first_posted:
             post["first_grads"] = self._first_grads_record()
         post.update(self._held)  # the first check's record, held for the hash (docstring)
         self._held = {}
         if self.every is not None and (step == 1 or step % self.every == 0):
             key = f"replicas/{step}"
-            record = self._replica_record(step, buffers_synced)
+            held = self._first_step is None and not self._first_posted
+            record, params, buffers = self._replica_record(step, buffers_synced)
+            if held:  # its parameters are read while this step's backward waits
+                record["hashes"] = bits_hashes(buffers)  # now: the forward may change them
+                self._unhashed = params
+            else:
+                record["hashes"] = bits_hashes(params + buffers)
             if len(self._posted) == 2:  # every peer has compared the one before the last: a
                 remove.append(self._posted.pop(0))  # rank is never more than one step behind
             self._posted.append(key)
-            if self._first_step is None and not self._first_posted:
+            if held:
                 self._held[key] = record  # the first backward's hash comes before the next
             else:  # forward: one round trip for both
                 post[key] = record
@@ -304,17 +342,17 @@ class ReplicaCheck:
             else:
                 self._compare_replicas(records)
 
-    def _replica_record(self, step: int, buffers_synced: bool) -> dict[str, Any]:
-        """This rank's record for the check at ``step``: names and hashes of the tensors,
-        the modules in eval() mode and the unsynchronised parameters, from one walk over the
-        module tree (:func:`~mini_ddp.engine.model.walk_module`: torch's accessors' order)."""
+    def _replica_record(self, step: int, buffers_synced: bool
+                        ) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's record for the check at ``step`` but its ``hashes``: the names of
+        the tensors, the modules in eval() mode and the unsynchronised parameters, from one
+        walk over the module tree (:func:`~mini_ddp.engine.model.walk_module`: torch's
+        accessors' order); and the parameters and buffers to hash, in the names' order."""
         model = self.model
         ignore, synced, module = model.parameters_to_ignore, set(model.reducer.names), model.module
         walk = walk_module(module)
         params = [(n, p) for n, p in walk.params if n not in ignore]
-        tensors = [(f"parameter {n}", p) for n, p in params]
-        if buffers_synced:
-            tensors += [(f"buffer {n}", b) for n, b in walk.buffers if n not in ignore]
+        buffers = [(n, b) for n, b in walk.buffers if n not in ignore] if buffers_synced else []
         unsynced = [n for n, p in params if p.requires_grad and n not in synced]
         modes = [n or type(module).__name__ for n, m in walk.modules if not m.training]
         if unsynced:
@@ -324,9 +362,10 @@ class ReplicaCheck:
                 "added to the model (or set to requires_grad=True) after it was wrapped, so "
                 "their gradients stay local and the ranks drift apart. Build the whole model, "
                 "then wrap it (wrap again after changing it). See docs/debugging.md."))
-        return {"step": step, "names": [n for n, _ in tensors],
-                "hashes": bits_hashes([t for _, t in tensors]), "eval": modes,
-                "unsynced": unsynced, "off_step_broadcasts": self.off_step_broadcasts}
+        names = [f"parameter {n}" for n, _ in params] + [f"buffer {n}" for n, _ in buffers]
+        return ({"step": step, "names": names, "eval": modes, "unsynced": unsynced,
+                 "off_step_broadcasts": self.off_step_broadcasts},
+                [p for _, p in params], [b for _, b in buffers])
 
     def broadcast_off_step(self) -> None:
         """A forward outside a training step is about to broadcast the buffers."""
