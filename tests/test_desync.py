@@ -1,6 +1,8 @@
 """The desync detector names the tensor and the rank that diverged; the replica check's first
 record reads the parameters the first step ran with."""
 
+import logging
+
 import pytest
 import torch
 from helpers.ranks import run_ranks
@@ -162,8 +164,6 @@ def test_bits_hashes_name_each_single_tensor_that_differs():
 # synchronised forward; the parameters' bits while that backward waits for its all-reduce, or
 # at its end, or at the next forward when no backward came — always before the optimizer step.
 def _first_record_cases(ctx):
-    import logging
-
     told: list[str] = []  # the replica check's warnings (not, say, a stall's on a busy machine)
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: told.append(record.getMessage()) \
