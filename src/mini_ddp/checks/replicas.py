@@ -18,9 +18,8 @@ every :class:`~mini_ddp.engine.model.DataParallelModel` unless ``replica_check_e
 * **Diverging replicas.** At the first synchronised forward and every ``replica_check_every``
   (100) after it, right after the buffer broadcast, each rank hashes the exact bits of its
   parameters (the first check's, later in that step: below) and of the buffers, when they
-  were just broadcast, lists the modules it runs in
-  ``eval()`` mode, and the parameters that require a gradient but are not synchronised (added
-  after wrapping). A difference names the tensors, the ranks and the likely mistake: weights
+  were just broadcast, lists the modules it runs in ``eval()`` mode, and the parameters that
+  require a gradient but are not synchronised (added after wrapping). A difference names the tensors, the ranks and the likely mistake: weights
   loaded into ``model.module`` on one rank after wrapping, a rank left in ``eval()`` mode after
   evaluating, a parameter added after wrapping.
 * **An extra forward on one rank.** The record also carries how many forwards through the
