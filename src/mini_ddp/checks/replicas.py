@@ -245,6 +245,8 @@ class ReplicaCheck:
         """The engine's event: every gradient of ``bucket`` is in, its all-reduce not yet
         started. The first one of the first synchronised backward is hashed; the check stops
         listening then, unless the first record's parameters are still to be read."""
+        if self._first_step is not None:
+            return  # a later bucket, heard while the first record's parameters wait
         if self._unhashed is None:
             reducer.observers.remove(self)
         self._first_step = reducer.step.num_iterations
