@@ -8,6 +8,7 @@ import torch
 from helpers.ranks import run_ranks
 from torch import nn
 
+import mini_ddp
 from mini_ddp import DataParallelModel
 from mini_ddp.checks.replicas import PREFIX, DesyncDetector, DesyncError, checksum
 
@@ -172,12 +173,15 @@ def _first_record_cases(ctx):
     x = torch.randn(4, 4) + ctx.rank
     out = {}
     try:
-        for case in ("rank_local_lr", "edit_after_forward", "no_backward_first"):
+        for case in ("rank_local_lr", "rank_local_lr_attach", "edit_after_forward",
+                     "no_backward_first"):
             told.clear()
             torch.manual_seed(0)
-            model = DataParallelModel(Net())
+            # Under attach (torch's DDP, whose end of backward the check is not told) too.
+            model = mini_ddp.attach(nn.parallel.DistributedDataParallel(Net())) \
+                if case.endswith("attach") else DataParallelModel(Net())
             # A rank-local learning rate: the replicas part at the first step, not before it.
-            lr = 0.1 * (1 + ctx.rank) if case == "rank_local_lr" else 0.1
+            lr = 0.1 * (1 + ctx.rank) if case.startswith("rank_local_lr") else 0.1
             opt = torch.optim.SGD(model.parameters(), lr=lr)
             for step in (1, 2, 3):
                 output = model(x)
@@ -201,10 +205,11 @@ def first_records():
     return run_ranks(_first_record_cases, 2, timeout_s=120)
 
 
-def test_the_first_record_reads_the_parameters_before_the_optimizer_step(first_records):
+@pytest.mark.parametrize("case", ["rank_local_lr", "rank_local_lr_attach"])
+def test_the_first_record_reads_the_parameters_before_the_optimizer_step(first_records, case):
     # Read after the step, rank 1's larger learning rate would show as a difference at step 1.
     for rank in (0, 1):
-        assert first_records[rank]["rank_local_lr"] == [], first_records[rank]
+        assert first_records[rank][case] == [], first_records[rank]
 
 
 @pytest.mark.parametrize("case", ["edit_after_forward", "no_backward_first"])

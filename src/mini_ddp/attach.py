@@ -114,7 +114,7 @@ class _ReducerView:
         self.step = _Step()
         # The engine's events the checks hear under attach: bucket_ready, from the timed comm
         # hook (none under a built-in C++ hook, whose buckets torch keeps to itself).
-        self.observers = Observers()
+        self.observers = Observers(every_event=False)
 
 
 class _ModelView:

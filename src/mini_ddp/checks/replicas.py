@@ -19,9 +19,10 @@ every :class:`~mini_ddp.engine.model.DataParallelModel` unless ``replica_check_e
   (100) after it, right after the buffer broadcast, each rank hashes the exact bits of its
   parameters (the first check's, later in that step: below) and of the buffers, when they
   were just broadcast, lists the modules it runs in ``eval()`` mode, and the parameters that
-  require a gradient but are not synchronised (added after wrapping). A difference names the tensors, the ranks and the likely mistake: weights
-  loaded into ``model.module`` on one rank after wrapping, a rank left in ``eval()`` mode after
-  evaluating, a parameter added after wrapping.
+  require a gradient but are not synchronised (added after wrapping). A difference names the
+  tensors, the ranks and the likely mistake: weights loaded into ``model.module`` on one rank
+  after wrapping, a rank left in ``eval()`` mode after evaluating, a parameter added after
+  wrapping.
 * **An extra forward on one rank.** The record also carries how many forwards through the
   wrapper outside a training step (under ``torch.no_grad()``, or inside ``no_sync()``)
   broadcast the buffers on this rank. torch DDP broadcasts them in such a forward too (its
@@ -43,7 +44,8 @@ gradient hash, and both go up in one round trip; meanwhile its parameters' bits 
 while that backward waits for an all-reduce (``wait_begun``: time the rank would spend idle),
 else at its end, at the latest at the next forward — always before the optimizer step, so
 they are the bits the forward ran with (its names, modes and buffers are read at the
-forward). Cost: hashing the parameters once per
+forward; under :func:`mini_ddp.attach`, whose view of torch's DDP does not say when a backward
+ends, the parameters too). Cost: hashing the parameters once per
 check (:func:`bits_hashes`: one integer sum over a large tensor's bits, two for each small
 one, all the small ones together in a few kernels, one ``tolist``) and one store round trip
 at each forward that posts or reads (:meth:`~mini_ddp.checks.rank_board.RankBoard.exchange`);
@@ -314,7 +316,9 @@ class ReplicaCheck:
             key = f"replicas/{step}"
             held = self._first_step is None and not self._first_posted
             record, params, buffers = self._replica_record(step, buffers_synced)
-            if held:  # its parameters are read while this step's backward waits
+            # Its parameters are read while this step's backward waits, where the reducer
+            # says that its backward ends (not under attach: there, now).
+            if held and self.model.reducer.observers.every_event:
                 record["hashes"] = bits_hashes(buffers)  # now: the forward may change them
                 self._unhashed = params
             else:

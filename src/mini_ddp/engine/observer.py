@@ -113,10 +113,15 @@ def _listens(member: Any, event: str) -> bool:
 
 
 class Observers:
-    """The observers of one reducer; ``observers.<event>(...)`` tells each that listens."""
+    """The observers of one reducer; ``observers.<event>(...)`` tells each that listens.
 
-    def __init__(self) -> None:
+    ``every_event``: whether the reducer tells every event above (the engine's does; a view
+    of torch's own DDP under :func:`mini_ddp.attach` tells only ``bucket_ready``), so an
+    observer can count on ``backward_finished`` closing each synchronised backward."""
+
+    def __init__(self, every_event: bool = True) -> None:
         self.members: list[Any] = []
+        self.every_event = every_event
         self.per_gradient = False  # something listens to gradient_ready
         self._bind()
 
