@@ -249,11 +249,10 @@ class ReplicaCheck:
         listening then, unless the first record's parameters are still to be read."""
         if self._first_step is not None:
             return  # a later bucket, heard while the first record's parameters wait
-        if self._unhashed is None:
-            reducer.observers.remove(self)
         self._first_step = reducer.step.num_iterations
         if not bucket.sparse:
             self._first = _word_sums(_int_view(bucket.buffer[:_DATA_ELEMENTS])[None])
+        self._stop_listening_when_done()
 
     def wait_begun(self, reducer: Any, bucket: Any) -> None:
         """The engine's event: a wait must block. Read the first record's parameters now."""
@@ -268,10 +267,15 @@ class ReplicaCheck:
         hashes taken at its forward, in the order of its names), and stop listening."""
         if self._unhashed is None:
             return
-        params, self._unhashed = self._unhashed, None
+        hashes, self._unhashed = bits_hashes(self._unhashed), None
         for record in self._held.values():
-            record["hashes"] = bits_hashes(params) + record["hashes"]
-        if self._first_step is not None:  # the first bucket's hash is taken too
+            record["hashes"] = hashes + record["hashes"]
+        self._stop_listening_when_done()
+
+    def _stop_listening_when_done(self) -> None:
+        """Stop hearing the engine once the first bucket is hashed and the first record's
+        parameters are read."""
+        if self._first_step is not None and self._unhashed is None:
             self._stop_listening()
 
     def _first_grads_record(self) -> dict[str, Any]:
